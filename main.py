@@ -1,0 +1,749 @@
+"""Data-parallel LeNet on Fashion-MNIST with MindSpore, launched by msrun and tracked in MLflow.
+
+Run it (Ascend NPUs with HCCL when present, MindSpore's own CPU collective otherwise; same file):
+
+    python main.py                                                        # one process
+    msrun --worker_num=2 --local_worker_num=2 --join=True python main.py  # two data-parallel workers
+    ./run.sh                                                              # msrun with workers detected
+
+Every setting is a flag and an environment variable (`python main.py --help`); the ones that matter:
+--epochs (10), --batch-size per device (64), --lr (0.1), --optimizer (sgd), --amp (auto: O2 on Ascend,
+O0 on CPU), --data-dir (./data), --output-dir (./outputs).
+
+Expect, with the defaults and two CPU workers: 10 epochs, test accuracy about 0.87-0.89 on the full test
+set, identical weights on every replica, and `outputs/summary.json` holding those figures.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import gzip
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.communication import get_group_size, get_rank, init
+from mindspore.train import Callback, Metric, Model
+
+log = logging.getLogger("fashion-mnist")
+
+# --- config
+
+JOB_VERSION = "1.0.0"
+EXIT_USAGE = 2  # bad settings or data: retrying the same pod cannot help (see k8s-job.yaml podFailurePolicy)
+CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+               "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+IMAGE_SIZE = 28
+# SHA-256 of the decompressed IDX files of the official release. Hashing the content rather than the .gz
+# accepts re-compressed copies such as Debian's dataset-fashion-mnist package.
+FASHION_MNIST_SHA256 = {
+    "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+    "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+    "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+    "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+}
+SYSTEM_DATA_DIRS = ("/usr/share/datasets/fashion-mnist",)  # Debian/Ubuntu package dataset-fashion-mnist
+OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+DOWNLOAD_RETRIES = 3
+DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
+GZIP_MAGIC = b"\x1f\x8b"
+IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
+OPTIMIZERS = ("sgd", "momentum", "adam")
+AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
+DEVICES = ("auto", "Ascend", "CPU")
+
+
+class UsageError(Exception):
+    """A setting or the data is wrong; the message says what and how to fix it."""
+
+
+def env_name(flag):
+    """The environment variable behind a flag: --batch-size <-> BATCH_SIZE."""
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
+                    "Each flag defaults from the environment variable named in brackets.")
+
+    def add(flag, type_, default, help_, env=None, **kwargs):
+        env = env or env_name(flag)
+        # argparse converts a string default with `type_`, so a bad environment value fails like a bad flag.
+        parser.add_argument(flag, type=type_, default=os.environ.get(env, default),
+                            help=f"{help_} [{env}; default: {default}]", **kwargs)
+
+    add("--epochs", int, 10, "training epochs in total")
+    add("--batch-size", int, 64, "batch size per device; the global batch is this times the world size")
+    add("--lr", float, 0.1, "learning rate")
+    add("--optimizer", str, "sgd", "optimizer", choices=OPTIMIZERS)
+    add("--momentum", float, 0.9, "momentum, for --optimizer momentum")
+    add("--weight-decay", float, 0.0, "L2 weight decay")
+    add("--amp", str, "auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS)
+    add("--device", str, "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
+    add("--seed", int, 42, "random seed; the same on every rank so all replicas start identical")
+    add("--data-dir", Path, "data", "where Fashion-MNIST is, or is put")
+    add("--data-mirrors", str, "", "extra base URLs to download from, comma-separated, tried after the "
+                                   "official mirror")
+    add("--checksums-file", str, "", "sha256sum-style file replacing the pinned checksums of the four IDX "
+                                     "files (to train on another IDX dataset)")
+    add("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned")
+    add("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go")
+    add("--experiment", str, "fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME")
+    add("--run-name", str, "", "MLflow run name (default: MLflow picks one)")
+    add("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"))
+    add("--log-interval", int, 100, "steps between progress lines and training-loss points")
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    momentum: float
+    weight_decay: float
+    amp: str
+    device: str
+    seed: int
+    data_dir: Path
+    data_mirrors: str
+    checksums_file: str
+    download_timeout: float
+    output_dir: Path
+    experiment: str
+    run_name: str
+    tracking: str
+    log_interval: int
+
+    @property
+    def mirrors(self):
+        extra = [url.strip() for url in self.data_mirrors.split(",") if url.strip()]
+        return [OFFICIAL_MIRROR, *extra]
+
+
+def parse_config(argv=None):
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    positive = {"--epochs": cfg.epochs, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
+                "--log-interval": cfg.log_interval, "--download-timeout": cfg.download_timeout}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise UsageError(f"{flag} must be positive, got {value} (flag or {env_name(flag)})")
+    if not 0 <= cfg.momentum < 1:
+        raise UsageError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+    if cfg.weight_decay < 0:
+        raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    return cfg
+
+
+def resolve_device(requested):
+    if requested != "auto":
+        return requested
+    # is_available() warns about the missing Ascend plugin on every CPU machine; that is the expected case here.
+    quiet = logging.getLogger(ms.log._get_logger().name)  # pylint: disable=protected-access
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
+    finally:
+        quiet.setLevel(level)
+
+
+def resolve_amp(amp, device):
+    # float16 pays off on Ascend's cube units; on CPU it only adds casts (measured 1.4x slower than O0).
+    if amp != "auto":
+        return amp
+    return "O2" if device == "Ascend" else "O0"
+
+
+# --- distributed helpers
+
+
+def init_distributed():
+    """Join the msrun job if there is one; returns (rank, world_size), (0, 1) for a lone process."""
+    if "MS_ROLE" not in os.environ:
+        return 0, 1
+    # The backend follows the device: HCCL on Ascend, MindSpore's CPU collective (mccl) on CPU.
+    # msrun's scheduler process never returns from here, which is why nothing costly happens before it.
+    init()
+    world_size = get_group_size()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=world_size)
+    return get_rank(), world_size
+
+
+class Collective:
+    """The two collectives the job needs, for any world size, on numpy arrays.
+
+    AllGather is used for reductions too because on CPU AllReduce only takes float32, and the gathered
+    rows also give the per-rank view for free.
+    """
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self._gather = ops.AllGather() if world_size > 1 else None
+
+    def all_gather(self, array):
+        """Rows of every rank, stacked: shape (world_size, *array.shape)."""
+        array = np.asarray(array)
+        if self._gather is None:
+            return array[None]
+        return self._gather(Tensor(array[None])).asnumpy()
+
+    def barrier(self):
+        if self.world_size > 1:
+            ops.communication.barrier()
+
+
+# --- data
+
+
+def parse_idx(raw, name="IDX data"):
+    """Decode an IDX file of unsigned bytes (gzipped or not) into an array; reject anything malformed."""
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
+    if len(raw) < 8:
+        raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
+    magic = int.from_bytes(raw[:4], "big")
+    ndim = raw[3]
+    if IDX_MAGIC.get(ndim) != magic:
+        raise ValueError(f"{name}: magic number 0x{magic:08x} is not an IDX file of unsigned bytes "
+                         f"(expected 0x{IDX_MAGIC[1]:08x} or 0x{IDX_MAGIC[3]:08x})")
+    header = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    if len(raw) != header + math.prod(shape):
+        raise ValueError(f"{name}: header says shape {shape} ({header + math.prod(shape)} bytes) "
+                         f"but the file has {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def decompressed_sha256(raw):
+    return hashlib.sha256(gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).hexdigest()
+
+
+def load_checksums(path):
+    """Expected SHA-256 per IDX file: the pinned official ones, or a sha256sum-style file's."""
+    if not path:
+        return dict(FASHION_MNIST_SHA256)
+    try:
+        lines = Path(path).read_text().split("\n")
+    except OSError as exc:
+        raise UsageError(f"--checksums-file {path}: cannot read it ({exc.strerror})") from None
+    sums = {}
+    for line in filter(None, (line.strip() for line in lines)):
+        digest, _, name = line.partition(" ")
+        sums[name.strip().lstrip("*").removesuffix(".gz")] = digest.lower()
+    missing = sorted(set(FASHION_MNIST_SHA256) - set(sums))
+    if missing:
+        raise UsageError(f"--checksums-file {path}: no checksum for {', '.join(missing)}; "
+                         "write one line '<sha256>  <file name>' per IDX file")
+    return sums
+
+
+def check_file(raw, name, expected_sha256):
+    """Raise ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
+    parse_idx(raw, name)
+    actual = decompressed_sha256(raw)
+    if actual != expected_sha256:
+        raise ValueError(f"{name}: SHA-256 of the content is {actual}, expected {expected_sha256}")
+
+
+def local_copy(directory, name):
+    """The file for `name` in `directory` (.gz or decompressed), or None."""
+    for candidate in (Path(directory) / f"{name}.gz", Path(directory) / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def download(url, timeout, say=print):
+    """Bytes at `url`, with retries on transient failures, a size cap and a progress line for big files."""
+    for attempt in range(1, DOWNLOAD_RETRIES + 1):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
+                total = int(response.headers.get("Content-Length") or 0)
+                if total > DOWNLOAD_MAX_BYTES:
+                    raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
+                chunks, size, shown = [], 0, 0
+                while chunk := response.read(1 << 20):
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > DOWNLOAD_MAX_BYTES:
+                        raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
+                    if total > (4 << 20) and size * 10 // total > shown:
+                        shown = size * 10 // total
+                        say(f"downloading {url}: {size >> 20} of {total >> 20} MiB")
+                if total and size != total:
+                    raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
+                return b"".join(chunks)
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or attempt == DOWNLOAD_RETRIES:  # 4xx will not change on retry
+                raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as exc:
+            if attempt == DOWNLOAD_RETRIES:
+                reason = getattr(exc, "reason", exc)
+                raise ConnectionError(f"{url}: {reason} (after {attempt} attempts)") from None
+        time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
+    raise AssertionError("unreachable")
+
+
+def write_atomic(path, data):
+    """Write bytes so that `path` is either absent or complete, never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print):
+    """Make a verified copy of one IDX file exist in data_dir; return the list of failures on the way."""
+    failures = []
+    present = local_copy(data_dir, name)
+    if present:
+        try:
+            check_file(present.read_bytes(), str(present), expected)
+            return failures
+        except ValueError as exc:
+            failures.append(str(exc))
+            say(f"warning: {exc}; fetching it again")
+    candidates = [(str(d), lambda d=d: local_copy(d, name)) for d in system_dirs]
+    candidates += [(url, None) for url in mirrors]
+    for source, find in candidates:
+        try:
+            if find is not None:
+                path = find()
+                if path is None:
+                    continue
+                raw, target = path.read_bytes(), Path(data_dir) / path.name
+            else:
+                url = f"{source.rstrip('/')}/{name}.gz"
+                raw, target = download(url, timeout, say), Path(data_dir) / f"{name}.gz"
+            check_file(raw, f"{name} from {source}", expected)
+        except (ValueError, ConnectionError, OSError) as exc:
+            failures.append(str(exc))
+            continue
+        if present and present != target:
+            present.unlink()  # the bad copy would shadow or confuse the good one
+        write_atomic(target, raw)
+        say(f"{name}: verified copy from {source}")
+        return failures
+    raise UsageError(
+        f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
+        f"{data_dir}, {', '.join(system_dirs)}, {', '.join(mirrors)}. Provide the data with --data-dir "
+        "pointing at the four IDX files, install the dataset-fashion-mnist package, or add a reachable "
+        "--data-mirrors URL")
+
+
+def is_verified(data_dir, name, expected):
+    present = local_copy(data_dir, name)
+    try:
+        return present is not None and check_file(present.read_bytes(), name, expected) is None
+    except (ValueError, OSError):
+        return False
+
+
+def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print):
+    """Make the four verified IDX files exist in data_dir; no network request when they already do."""
+    data_dir = Path(data_dir)
+    missing = [name for name in checksums if not is_verified(data_dir, name, checksums[name])]
+    if not missing:
+        return  # complete: works on a read-only data dir, such as one baked into an image
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(data_dir / ".lock", "a+b")  # pylint: disable=consider-using-with
+    except OSError as exc:
+        raise UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None
+    # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in missing:
+            fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say)
+
+
+def load_split(data_dir, split):
+    """(images uint8 [N, H, W], labels uint8 [N]) of the 'train' or 't10k' split."""
+    images, labels = (parse_idx(local_copy(data_dir, f"{split}-{kind}").read_bytes(), kind)
+                      for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+    if len(images) != len(labels):
+        raise UsageError(f"{data_dir}: {split} has {len(images)} images but {len(labels)} labels")
+    return images, labels
+
+
+def to_model_input(images):
+    """The article's image transforms, applied once to a whole uint8 array [N, H, W(, C)]:
+    resize to 28x28, rescale by 1/255, HWC -> CHW, float32. Returns float32 [N, C, 28, 28].
+
+    Fashion-MNIST fits in memory many times over, so transforming it once beats a per-sample map each epoch.
+    """
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
+        resize = ms.dataset.vision.Resize((IMAGE_SIZE, IMAGE_SIZE))
+        images = np.stack([resize(image) for image in images]).reshape(len(images), IMAGE_SIZE, IMAGE_SIZE, -1)
+    return np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32) * np.float32(1 / 255)
+
+
+def one_hot(labels, num_classes=len(CLASS_NAMES)):
+    return np.eye(num_classes, dtype=np.float32)[labels]
+
+
+def train_dataset(images, labels, batch_size, rank, world_size):
+    """This rank's shuffled shard, reshuffled every epoch; the same seed on every rank keeps shards disjoint."""
+    dataset = ms.dataset.NumpySlicesDataset((to_model_input(images), one_hot(labels)),
+                                            column_names=["image", "label"], shuffle=True,
+                                            num_shards=world_size, shard_id=rank)
+    return dataset.batch(batch_size, drop_remainder=True)
+
+
+def eval_dataset(images, labels, batch_size, rank, world_size):
+    """Every world_size-th test sample from `rank` on. The framework's sampler pads shards to equal length
+    by repeating samples, which would count some twice; slicing gives each sample to exactly one rank."""
+    shard = slice(rank, None, world_size)
+    dataset = ms.dataset.NumpySlicesDataset((to_model_input(images[shard]), one_hot(labels[shard])),
+                                            column_names=["image", "label"], shuffle=False)
+    return dataset.batch(batch_size)
+
+
+def save_sample_grid(images, labels, path, seed, count=10):
+    """PNG of `count` random training images with their class names."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    picks = np.random.default_rng(seed).choice(len(images), size=count, replace=False)
+    cols = 5
+    fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(cols * 1.6, 1.9 * math.ceil(count / cols)))
+    for ax, index in zip(axes.flat, picks):
+        ax.imshow(images[index], cmap="gray", vmin=0, vmax=255)
+        ax.set_title(CLASS_NAMES[labels[index]], fontsize=9)
+    for ax in axes.flat:
+        ax.axis("off")
+    fig.tight_layout(pad=0.3)
+    write_figure(fig, path)
+
+
+def write_figure(fig, path):
+    import io  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+# --- model
+
+
+class LeNet(nn.Cell):
+    """The modern LeNet-5: ReLU and max-pooling, 6 and 16 conv channels, 120-84-10 dense layers."""
+
+    def __init__(self, num_classes=len(CLASS_NAMES)):
+        super().__init__()
+        self.features = nn.SequentialCell(
+            nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2, has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2),
+            nn.Conv2d(6, 16, 5, pad_mode="valid", has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2))
+        self.classifier = nn.SequentialCell(
+            nn.Flatten(), nn.Dense(16 * 5 * 5, 120), nn.ReLU(), nn.Dense(120, 84), nn.ReLU(),
+            nn.Dense(84, num_classes))
+
+    def construct(self, x):
+        return self.classifier(self.features(x))
+
+
+def make_optimizer(cfg, params):
+    if cfg.optimizer == "adam":
+        return nn.Adam(params, learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+    momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
+    return nn.SGD(params, learning_rate=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
+
+
+def weights_fingerprint(net):
+    """SHA-256 of every parameter's bytes in a fixed order, as 8 int32 for a collective."""
+    digest = hashlib.sha256()
+    for param in sorted(net.trainable_params(), key=lambda p: p.name):
+        digest.update(param.name.encode())
+        digest.update(param.asnumpy().tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.int32)
+
+
+# --- metrics and tracking
+
+
+def correct_predictions(logits, one_hot_labels):
+    return (logits.argmax(axis=1) == one_hot_labels.argmax(axis=1)).astype(np.float64)
+
+
+def cross_entropy(logits, one_hot_labels):
+    """Per-sample softmax cross-entropy, computed stably in float64."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return -(one_hot_labels * log_probs).sum(axis=1)
+
+
+class GlobalMean(Metric):
+    """Mean of a per-sample quantity over the whole test set: each rank sums its shard, eval() gathers the
+    sums, so the figure is the job's, not rank 0's shard."""
+
+    def __init__(self, per_sample, collective):
+        super().__init__()
+        self._per_sample, self._collective = per_sample, collective
+        self.clear()
+
+    def clear(self):
+        self._sum, self._count = 0.0, 0
+
+    def update(self, *inputs):
+        values = self._per_sample(inputs[0].asnumpy(), inputs[1].asnumpy())
+        self._sum += float(values.sum())
+        self._count += len(values)
+
+    def eval(self):
+        total, count = self._collective.all_gather(np.array([self._sum, self._count])).sum(axis=0)
+        return total / count
+
+
+class NullTracker:
+    """Tracking on ranks other than 0, or when switched off: accepts everything, records nothing."""
+
+    run_id = None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def log_artifact(self, path):
+        pass
+
+    def finish(self, status):
+        pass
+
+
+class MlflowTracker(NullTracker):
+    """The job's single MLflow run, on rank 0. Logging is asynchronous so training never waits on it, and
+    any tracking failure becomes one warning: an experiment tracker must never fail a training job."""
+
+    def __init__(self, cfg, params, tags):
+        import mlflow  # pylint: disable=import-outside-toplevel
+        self._mlflow = mlflow
+        mlflow.set_experiment(cfg.experiment)
+        run = mlflow.start_run(run_name=cfg.run_name or None, tags=tags)
+        mlflow.log_params(params)
+        self.run_id = run.info.run_id
+
+    def _guard(self, what, action):
+        try:
+            return action()
+        except Exception as exc:  # pylint: disable=broad-except
+            log.warning("MLflow: could not %s (%s); training goes on", what, exc)
+            return None
+
+    def log_metrics(self, metrics, step):
+        self._guard("log metrics", lambda: self._mlflow.log_metrics(metrics, step=step, synchronous=False))
+
+    def log_artifact(self, path):
+        self._guard(f"log {path}", lambda: self._mlflow.log_artifact(str(path)))
+
+    def finish(self, status):
+        self._guard("finish the run", lambda: self._mlflow.end_run(status=status))
+
+
+def start_tracking(cfg, params, tags):
+    try:
+        return MlflowTracker(cfg, params, tags)
+    except Exception as exc:  # pylint: disable=broad-except
+        log.warning("MLflow: could not start a run (%s); training goes on without tracking", exc)
+        return NullTracker()
+
+
+class TrainingMonitor(Callback):
+    """Measures the job's figures on every rank (the gathers are collectives), prints them on rank 0 and
+    hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
+    per-epoch validation loss and accuracy over the full test set."""
+
+    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started):
+        super().__init__()
+        self.collective, self.tracker = collective, tracker
+        self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
+        self.started = started
+        self.first_step_s = None
+        self.epoch_history = []
+        self._loss_sum, self._loss_steps = None, 0
+
+    def on_train_epoch_begin(self, run_context):
+        self._epoch_start = self._interval_start = time.perf_counter()
+        self._epoch_steps = self._interval_steps = 0
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        loss = cb.net_outputs[0] if isinstance(cb.net_outputs, (tuple, list)) else cb.net_outputs
+        # Summing on the device keeps the host from waiting on each step; it is read once per interval.
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._loss_steps += 1
+        self._epoch_steps += 1
+        self._interval_steps += 1
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started
+            if self.collective.is_main:
+                log.info("first step done %.1f s after start", self.first_step_s)
+        if cb.cur_step_num % self.log_interval == 0:
+            self._report_interval(cb)
+
+    def _report_interval(self, cb):
+        per_rank = self.collective.all_gather(np.float64(self._loss_sum.asnumpy()) / self._loss_steps)
+        self._loss_sum, self._loss_steps = None, 0
+        now = time.perf_counter()
+        rate = self._interval_steps * self.global_batch / (now - self._interval_start)
+        self._interval_start, self._interval_steps = now, 0
+        if self.collective.is_main:
+            step_in_epoch = (cb.cur_step_num - 1) % cb.batch_num + 1
+            log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
+                     step_in_epoch, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
+            metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
+            metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
+            self.tracker.log_metrics(metrics, step=cb.cur_step_num)
+
+    def on_eval_begin(self, run_context):
+        self._train_s = time.perf_counter() - self._epoch_start
+        self._eval_start = time.perf_counter()
+
+    def on_train_epoch_end(self, run_context):
+        cb = run_context.original_args()
+        if self._train_s is None:  # no validation this epoch
+            self._train_s = time.perf_counter() - self._epoch_start
+        eval_s = time.perf_counter() - self._eval_start if "metrics" in cb else 0.0
+        figures = {"epoch": cb.cur_epoch_num, "train_s": self._train_s, "eval_s": eval_s,
+                   "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
+        figures.update({f"val_{k}": float(v) for k, v in cb.get("metrics", {}).items()})
+        self._train_s = None
+        self.epoch_history.append(figures)
+        if self.collective.is_main:
+            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
+                     "val_accuracy %.4f", cb.cur_epoch_num, self.epochs, figures["train_s"],
+                     f"{figures['train_samples_per_s']:,.0f}", eval_s, figures.get("val_loss", float("nan")),
+                     figures.get("val_accuracy", float("nan")))
+            self.tracker.log_metrics({k: v for k, v in figures.items() if k != "epoch"}, step=cb.cur_step_num)
+
+    _train_s = None
+
+
+def write_json(path, data):
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def configure_logging(rank):
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+# --- main
+
+
+def main(argv=None):
+    started = time.perf_counter()
+    try:
+        cfg = parse_config(argv)
+        checksums = load_checksums(cfg.checksums_file)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    device = resolve_device(cfg.device)
+    amp_level = resolve_amp(cfg.amp, device)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device(device)
+
+    rank, world_size = init_distributed()
+    collective = Collective(rank, world_size)
+    configure_logging(rank)
+    ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
+    log.info("device %s, world size %d, amp %s, settings %s", device, world_size, amp_level,
+             json.dumps(dataclasses.asdict(cfg), default=str))
+
+    try:
+        if collective.is_main:
+            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+            ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info)
+        collective.barrier()
+        train_images, train_labels = load_split(cfg.data_dir, "train")
+        test_images, test_labels = load_split(cfg.data_dir, "t10k")
+    except (UsageError, OSError, ValueError) as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+
+    params = {**{k: str(v) for k, v in dataclasses.asdict(cfg).items()}, "device": device,
+              "world_size": world_size, "global_batch_size": cfg.batch_size * world_size,
+              "amp_level": amp_level, "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
+    tracker = NullTracker()
+    if collective.is_main:
+        save_sample_grid(train_images, train_labels, cfg.output_dir / "samples.png", cfg.seed)
+        if cfg.tracking == "on":
+            tracker = start_tracking(cfg, params, tags={"device": device, "world_size": str(world_size)})
+            tracker.log_artifact(cfg.output_dir / "samples.png")
+
+    train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size)
+    test_ds = eval_dataset(test_images, test_labels, cfg.batch_size, rank, world_size)
+    net = LeNet()
+    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean"),
+                  make_optimizer(cfg, net.trainable_params()), amp_level=amp_level,
+                  metrics={"loss": GlobalMean(cross_entropy, collective),
+                           "accuracy": GlobalMean(correct_predictions, collective)})
+    monitor = TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * world_size,
+                              cfg.log_interval, started)
+    fit_start = time.perf_counter()
+    model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=[monitor], dataset_sink_mode=False)
+    train_s = sum(e["train_s"] for e in monitor.epoch_history)
+
+    fingerprints = collective.all_gather(weights_fingerprint(net))
+    replicas_identical = bool((fingerprints == fingerprints[0]).all())
+    final = monitor.epoch_history[-1]
+    summary = {
+        "device": device, "world_size": world_size, "amp_level": amp_level, "epochs": cfg.epochs,
+        "global_batch_size": cfg.batch_size * world_size,
+        "test_accuracy": final["val_accuracy"], "test_loss": final["val_loss"],
+        "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in monitor.epoch_history)
+        / train_s,
+        "first_step_s": monitor.first_step_s, "fit_s": time.perf_counter() - fit_start,
+        "wall_s": time.perf_counter() - started, "replicas_identical": replicas_identical,
+        "mlflow_run_id": tracker.run_id, "epoch_history": monitor.epoch_history,
+    }
+    if collective.is_main:
+        write_json(cfg.output_dir / "summary.json", summary)
+        tracker.log_metrics({"wall_s": summary["wall_s"]}, step=0)
+        tracker.log_artifact(cfg.output_dir / "summary.json")
+        tracker.finish("FINISHED" if replicas_identical else "FAILED")
+        log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s",
+                 summary["test_accuracy"], summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}",
+                 summary["wall_s"], cfg.output_dir / "summary.json")
+    if not replicas_identical:
+        log.error("replicas diverged: weight fingerprints differ across ranks %s", fingerprints.tolist())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
