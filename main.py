@@ -97,8 +97,8 @@ def build_parser():
     add("--device", str, "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
     add("--seed", int, 42, "random seed; the same on every rank so all replicas start identical")
     add("--data-dir", Path, "data", "where Fashion-MNIST is, or is put")
-    add("--data-mirrors", str, "", "extra base URLs to download from, comma-separated, tried after the "
-                                   "official mirror")
+    add("--data-mirrors", str, OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in "
+                                                "order after local copies; empty: never download")
     add("--checksums-file", str, "", "sha256sum-style file replacing the pinned checksums of the four IDX "
                                      "files (to train on another IDX dataset)")
     add("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned")
@@ -133,8 +133,7 @@ class Config:
 
     @property
     def mirrors(self):
-        extra = [url.strip() for url in self.data_mirrors.split(",") if url.strip()]
-        return [OFFICIAL_MIRROR, *extra]
+        return [url.strip() for url in self.data_mirrors.split(",") if url.strip()]
 
 
 def parse_config(argv=None):
@@ -355,7 +354,7 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
         return failures
     raise UsageError(
         f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
-        f"{data_dir}, {', '.join(system_dirs)}, {', '.join(mirrors)}. Provide the data with --data-dir "
+        f"{', '.join(map(str, [data_dir, *system_dirs, *mirrors]))}. Provide the data with --data-dir "
         "pointing at the four IDX files, install the dataset-fashion-mnist package, or add a reachable "
         "--data-mirrors URL")
 

@@ -1,0 +1,37 @@
+# Everyday commands; each does all the set-up it needs on a fresh machine (a venv in .venv, pinned packages).
+#   make run    train with ./run.sh: one worker per Ascend device, else 2 CPU workers (ARGS="--epochs 3")
+#   make test   the whole test suite, as CI runs it
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+SYSTEM_DATA := /usr/share/datasets/fashion-mnist
+
+.PHONY: run test system-data clean
+
+run: $(VENV)/.runtime system-data
+	PATH="$(BIN):$$PATH" ./run.sh $(ARGS)
+
+test: $(VENV)/.dev
+	PATH="$(BIN):$$PATH" python -m pytest $(PYTEST_ARGS)
+
+$(VENV)/.runtime: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# Debian and Ubuntu package Fashion-MNIST, so a machine without a route to the official mirror still has the
+# data. Best effort: without root or apt the job downloads the data itself.
+system-data:
+	@if [ ! -d $(SYSTEM_DATA) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing dataset-fashion-mnist with apt-get"; \
+		(apt-get update -qq && apt-get install -y -qq --no-install-recommends dataset-fashion-mnist >/dev/null) \
+			|| echo "apt-get could not install dataset-fashion-mnist; the job will download the data"; \
+	fi
+
+clean:
+	rm -rf $(VENV) outputs mlruns mlflow.db

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Launch the Fashion-MNIST training job under msrun: what the container image and Kubernetes call.
+#
+# Usage: ./run.sh [main.py flags...]      e.g.  ./run.sh --epochs 3 --data-dir /data
+#
+# Environment (all optional; every main.py setting also has one, see `python main.py --help`):
+#   WORKERS      workers on this node; default: the visible Ascend devices, else 2 CPU workers
+#   NODES        nodes in the job (default 1)
+#   NODE_RANK    this node's index, 0..NODES-1; default JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else 0
+#   MASTER_ADDR  host of node 0, where msrun's scheduler listens (default 127.0.0.1; required when NODES > 1)
+#   MASTER_PORT  scheduler port; default a free port on a single node, 8118 across nodes
+#   OUTPUT_DIR   where summary.json and PNGs go (default outputs); msrun's logs go to LOG_DIR
+#   LOG_DIR      per-worker logs (default $OUTPUT_DIR/logs)
+#   CLUSTER_TIMEOUT  seconds msrun waits for all nodes to join (default 600)
+#
+# Exit status: msrun's (0 when every worker succeeded). On failure the failing worker's log tail is shown.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+die() { echo "run.sh: $*" >&2; exit 2; }
+
+count_ascend_devices() {
+  # The Ascend device plugin and docker's --device both expose /dev/davinciN; the runtime's variable
+  # narrows them when set.
+  local visible=${ASCEND_RT_VISIBLE_DEVICES:-${ASCEND_VISIBLE_DEVICES:-}}
+  if [[ -n "$visible" ]]; then
+    tr ',' '\n' <<<"$visible" | grep -c .
+  else
+    find /dev -maxdepth 1 -name 'davinci[0-9]*' 2>/dev/null | wc -l
+  fi
+}
+
+free_port() {
+  python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+
+output_dir_of() {
+  # The job's --output-dir if given on the command line, else OUTPUT_DIR, else the job's default.
+  local dir=${OUTPUT_DIR:-outputs} arg take_next=0
+  for arg in "$@"; do
+    if ((take_next)); then dir=$arg; take_next=0; fi
+    case "$arg" in
+      --output-dir) take_next=1 ;;
+      --output-dir=*) dir=${arg#--output-dir=} ;;
+    esac
+  done
+  printf '%s\n' "$dir"
+}
+
+report_failure() {
+  # msrun says only "check logs"; name the worker(s) that failed and show why.
+  local status=$1 log_dir=$2 log failed=0
+  echo "run.sh: the job failed (msrun exit status $status)" >&2
+  for log in "$log_dir"/worker_*.log; do
+    [[ -e "$log" ]] || continue
+    if grep -qE 'Traceback|ERROR|Error:|Killed|exit code|exited with' "$log"; then
+      failed=1
+      echo "run.sh: ${log##*/} reports a failure; its last lines:" >&2
+      grep -vE '^\[(WARNING|INFO)\]' "$log" | tail -n 15 | sed 's/^/    /' >&2
+    fi
+  done
+  if ((!failed)) && [[ -e "$log_dir/scheduler.log" ]]; then
+    echo "run.sh: no worker log names an error; the scheduler's last lines:" >&2
+    tail -n 15 "$log_dir/scheduler.log" | sed 's/^/    /' >&2
+  fi
+  echo "run.sh: all logs are in $log_dir" >&2
+}
+
+command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
+command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv first"
+
+: "${NODES:=1}"
+: "${NODE_RANK:=${JOB_COMPLETION_INDEX:-0}}"
+: "${MASTER_ADDR:=127.0.0.1}"
+: "${CLUSTER_TIMEOUT:=600}"
+if [[ -z "${WORKERS:-}" ]]; then
+  WORKERS=$(count_ascend_devices)
+  ((WORKERS > 0)) || WORKERS=2
+fi
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  if ((NODES > 1)); then MASTER_PORT=8118; else MASTER_PORT=$(free_port); fi
+fi
+for var in WORKERS NODES NODE_RANK MASTER_PORT CLUSTER_TIMEOUT; do
+  [[ "${!var}" =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
+done
+((WORKERS >= 1 && NODES >= 1)) || die "WORKERS and NODES must be at least 1"
+((NODE_RANK < NODES)) || die "NODE_RANK ($NODE_RANK) must be below NODES ($NODES)"
+if ((NODES > 1)) && [[ "$MASTER_ADDR" == 127.0.0.1 ]]; then
+  die "NODES=$NODES needs MASTER_ADDR, the address of node 0"
+fi
+
+output_dir=$(output_dir_of "$@")
+: "${LOG_DIR:=$output_dir/logs}"
+mkdir -p "$LOG_DIR"
+
+launcher=(
+  msrun
+  "--worker_num=$((WORKERS * NODES))"
+  "--local_worker_num=$WORKERS"
+  "--master_addr=$MASTER_ADDR"
+  "--master_port=$MASTER_PORT"
+  "--node_rank=$NODE_RANK"
+  "--log_dir=$LOG_DIR"
+  "--cluster_time_out=$CLUSTER_TIMEOUT"
+  --join=True
+)
+echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
+
+status=0
+"${launcher[@]}" python "$here/main.py" "$@" || status=$?
+if ((status != 0)); then
+  report_failure "$status" "$LOG_DIR"
+  exit "$status"
+fi
+if ((NODE_RANK == 0)); then
+  echo "run.sh: done. Results: $output_dir/summary.json; pictures: $output_dir/*.png; logs: $LOG_DIR"
+else
+  echo "run.sh: done. Node 0 holds the results; logs of this node: $LOG_DIR"
+fi

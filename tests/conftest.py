@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny generated Fashion-MNIST-shaped IDX data and a runner for the real job."""
+
+import gzip
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SPLITS = {"train": 256, "t10k": 96}  # samples: enough for a few steps per worker, seconds per epoch
+
+
+def idx_bytes(array):
+    """The IDX encoding of a uint8 array: magic (0x08 = unsigned byte, then ndim), big-endian dims, data."""
+    array = np.asarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return header + array.tobytes()
+
+
+def make_split(count, seed):
+    """Images whose class shows as a bright horizontal band, so a model can learn them quickly."""
+    rng = np.random.default_rng(seed)
+    labels = np.arange(count) % 10
+    images = rng.integers(0, 60, size=(count, 28, 28))
+    for image, label in zip(images, labels):
+        image[2 + 2 * label: 4 + 2 * label] = 230
+    return images.astype(np.uint8), labels.astype(np.uint8)
+
+
+def write_dataset(directory, seed=0):
+    """Write the four gzipped IDX files and a sha256sum-style CHECKSUMS file; return {name: raw IDX bytes}."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = {}
+    for offset, (split, count) in enumerate(SPLITS.items()):
+        images, labels = make_split(count, seed + offset)
+        raw[f"{split}-images-idx3-ubyte"] = idx_bytes(images)
+        raw[f"{split}-labels-idx1-ubyte"] = idx_bytes(labels)
+    for name, content in raw.items():
+        (directory / f"{name}.gz").write_bytes(gzip.compress(content, mtime=0))
+    checksum_lines = [f"{hashlib.sha256(c).hexdigest()}  {n}" for n, c in raw.items()]
+    (directory / "CHECKSUMS").write_text("\n".join(checksum_lines) + "\n")
+    return raw
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A read-only-by-convention tiny dataset shared by the tests; copy it before changing it."""
+    directory = tmp_path_factory.mktemp("tiny-data")
+    write_dataset(directory)
+    return directory
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_env(**overrides):
+    """The environment the job runs in: this venv's python first on PATH (msrun launches `python` from
+    PATH), no tracking server unless a test sets one, and a quiet MindSpore."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update({"MPLBACKEND": "Agg", "GLOG_v": "3", "PYTHONUNBUFFERED": "1"})
+    env.update(overrides)
+    return env
+
+
+def tiny_args(data_dir, output_dir, *extra):
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"),
+            "--output-dir", str(output_dir), "--epochs", "1", "--batch-size", "16",
+            "--log-interval", "2", "--data-mirrors", "", *extra]
+
+
+def run_msrun(cwd, args, workers=2, timeout=300, env=None):
+    """The real launcher, as the README runs it: msrun with `workers` CPU workers on this machine."""
+    log_dir = Path(cwd) / "msrun-logs"
+    cmd = ["msrun", f"--worker_num={workers}", f"--local_worker_num={workers}", "--join=True",
+           f"--master_port={free_port()}", f"--log_dir={log_dir}", "python", str(ROOT / "main.py"), *args]
+    result = subprocess.run(cmd, cwd=cwd, env=env or job_env(), capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    result.logs = {p.name: p.read_text(errors="replace") for p in log_dir.glob("*.log")}
+    return result
+
+
+def read_summary(output_dir):
+    return json.loads((Path(output_dir) / "summary.json").read_text())

@@ -1,0 +1,80 @@
+"""The real job end to end: msrun with 2 CPU workers, and a lone process, on tiny generated data."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, job_env, read_summary, run_msrun, tiny_args
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(tiny_data, tmp_path_factory):
+    """One 2-worker msrun job with MLflow's embedded default store (no server), shared by the checks."""
+    cwd = tmp_path_factory.mktemp("job")
+    result = run_msrun(cwd, tiny_args(tiny_data, cwd / "out", "--run-name", "e2e"))
+    return cwd, result
+
+
+def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
+    cwd, result = two_worker_run
+    assert result.returncode == 0, result.logs
+    summary = read_summary(cwd / "out")
+    assert summary["replicas_identical"] is True
+    assert (summary["world_size"], summary["device"], summary["epochs"]) == (2, "CPU", 1)
+    assert 0.0 <= summary["test_accuracy"] <= 1.0 and math.isfinite(summary["test_loss"])
+    for key in ("train_samples_per_s", "wall_s", "first_step_s"):
+        assert summary[key] > 0, key
+
+
+def test_progress_lines_come_from_rank_0_only(two_worker_run):
+    _, result = two_worker_run
+    assert "rank0 INFO epoch 1/1 | step 2/8 | loss " in result.logs["worker_0.log"]
+    assert "samples/s" not in result.logs["worker_1.log"]
+
+
+def test_sample_grid_is_a_png(two_worker_run):
+    cwd, _ = two_worker_run
+    png = (cwd / "out" / "samples.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+def test_mlflow_embedded_store_holds_one_run_for_the_job(two_worker_run):
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    cwd, _ = two_worker_run
+    summary = read_summary(cwd / "out")
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("fashion-mnist-lenet")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]  # one run, not one per rank
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "e2e"
+    assert run.data.params["world_size"] == "2" and run.data.params["lr"] == "0.1"
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert [m.value for m in history] == [pytest.approx(summary["test_accuracy"])]
+    assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 4  # steps 2, 4, 6, 8
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"samples.png", "summary.json"} <= artifacts
+
+
+def test_single_process_without_msrun(tiny_data, tmp_path):
+    cmd = [sys.executable, str(ROOT / "main.py"), *tiny_args(tiny_data, tmp_path / "out", "--tracking", "off")]
+    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "out")
+    assert summary["world_size"] == 1 and summary["replicas_identical"] is True
+    assert summary["mlflow_run_id"] is None and not (tmp_path / "mlflow.db").exists()
+
+
+def test_learns_the_tiny_task(tiny_data, tmp_path):
+    """Ten short epochs on data whose class is a bright band: far above the 0.1 of guessing."""
+    cmd = [sys.executable, str(ROOT / "main.py"),
+           *tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "10")]
+    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_summary(tmp_path / "out")["test_accuracy"] >= 0.5

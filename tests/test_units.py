@@ -1,0 +1,169 @@
+"""Unit tests of main.py's pure helpers, on small arrays and IDX files made here."""
+
+import gzip
+
+import numpy as np
+import pytest
+
+import main
+from conftest import idx_bytes, make_split
+
+
+def test_parse_idx_reads_plain_and_gzipped():
+    images, _ = make_split(5, seed=1)
+    for raw in (idx_bytes(images), gzip.compress(idx_bytes(images))):
+        np.testing.assert_array_equal(main.parse_idx(raw), images)
+
+
+@pytest.mark.parametrize("mangle, message", [
+    (lambda raw: b"\x00\x00\x08\x02" + raw[4:], "magic number"),
+    (lambda raw: raw[:-1], "header says shape"),
+    (lambda raw: raw[:6], "too short"),
+    (lambda raw: gzip.compress(raw)[:-9], "corrupt or truncated gzip"),
+    (lambda raw: b"<html><body>404 Not Found</body></html>", "magic number"),
+])
+def test_parse_idx_rejects_malformed_files(mangle, message):
+    raw = idx_bytes(np.zeros((3, 4, 4), np.uint8))
+    with pytest.raises(ValueError, match=message):
+        main.parse_idx(mangle(raw), "f")
+
+
+def test_to_model_input_rescales_and_moves_channels_first():
+    images = np.arange(2 * 28 * 28, dtype=np.uint64).reshape(2, 28, 28) % 256
+    out = main.to_model_input(images.astype(np.uint8))
+    assert out.shape == (2, 1, 28, 28) and out.dtype == np.float32
+    np.testing.assert_allclose(out[:, 0], images / 255.0, rtol=1e-6)
+    assert out.flags["C_CONTIGUOUS"]
+
+
+def test_to_model_input_converts_hwc_color_to_chw():
+    images = np.zeros((1, 28, 28, 3), np.uint8)
+    images[..., 2] = 255  # only the third channel lit
+    out = main.to_model_input(images)
+    assert out.shape == (1, 3, 28, 28)
+    assert out[0, 2].min() == 1.0 and out[0, :2].max() == 0.0
+
+
+def test_to_model_input_resizes_other_sizes_to_28():
+    out = main.to_model_input(np.full((2, 14, 14), 255, np.uint8))
+    assert out.shape == (2, 1, 28, 28)
+    np.testing.assert_allclose(out, 1.0)
+
+
+def test_one_hot():
+    out = main.one_hot(np.array([0, 9, 3], np.uint8))
+    assert out.dtype == np.float32 and out.shape == (3, 10)
+    np.testing.assert_array_equal(out.argmax(1), [0, 9, 3])
+    np.testing.assert_array_equal(out.sum(1), 1.0)
+
+
+def test_cross_entropy_matches_definition_and_is_stable():
+    logits = np.array([[2.0, 1.0, 0.1], [1000.0, 0.0, -1000.0]])
+    labels = np.array([[1.0, 0, 0], [0, 1.0, 0]])
+    expected0 = -np.log(np.exp(2.0) / np.exp(logits[0]).sum())
+    out = main.cross_entropy(logits, labels)
+    np.testing.assert_allclose(out, [expected0, 1000.0])
+
+
+def test_correct_predictions():
+    logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
+    labels = np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    np.testing.assert_array_equal(main.correct_predictions(logits, labels), [1, 0, 1])
+
+
+class FakeCollective:
+    """Stands in for two ranks: the other rank is given fixed sums."""
+
+    def __init__(self, other_row):
+        self.other_row = np.asarray(other_row, dtype=float)
+
+    def all_gather(self, array):
+        return np.stack([np.asarray(array, dtype=float), self.other_row])
+
+
+class FakeTensor:
+    def __init__(self, array):
+        self.array = np.asarray(array)
+
+    def asnumpy(self):
+        return self.array
+
+
+def test_global_mean_weights_every_sample_once_across_ranks():
+    # This rank: 2 samples, 1 correct. The other rank: 3 samples, 3 correct -> 4/5, not mean(0.5, 1.0).
+    metric = main.GlobalMean(main.correct_predictions, FakeCollective([3.0, 3.0]))
+    metric.update(FakeTensor([[0.9, 0.1], [0.9, 0.1]]), FakeTensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert metric.eval() == pytest.approx(0.8)
+    metric.clear()
+    metric.update(FakeTensor([[0.9, 0.1]]), FakeTensor([[1.0, 0.0]]))
+    assert metric.eval() == pytest.approx(1.0)
+
+
+def test_settings_come_from_flags_then_environment(monkeypatch):
+    monkeypatch.setenv("BATCH_SIZE", "32")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "exp-from-env")
+    cfg = main.parse_config(["--epochs", "3"])
+    assert (cfg.epochs, cfg.batch_size, cfg.experiment, cfg.lr) == (3, 32, "exp-from-env", 0.1)
+    assert main.parse_config(["--batch-size", "8"]).batch_size == 8  # a flag beats the environment
+
+
+def test_every_flag_is_documented_with_its_environment_variable():
+    parser = main.build_parser()
+    for action in parser._actions:  # pylint: disable=protected-access
+        if action.option_strings and action.dest != "help":
+            assert action.help and "[" in action.help, action.option_strings
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--momentum", "1.5"], "--momentum must be in"),
+])
+def test_bad_settings_are_usage_errors(argv, message):
+    with pytest.raises(main.UsageError, match=message):
+        main.parse_config(argv)
+
+
+def test_bad_environment_value_exits_with_usage_status(monkeypatch, capsys):
+    monkeypatch.setenv("EPOCHS", "ten")
+    with pytest.raises(SystemExit) as exit_info:
+        main.parse_config([])
+    assert exit_info.value.code == main.EXIT_USAGE
+    assert "--epochs: invalid int value: 'ten'" in capsys.readouterr().err
+
+
+def test_main_reports_bad_setting_in_one_line(capsys):
+    assert main.main(["--batch-size", "0"]) == main.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--batch-size must be positive" in err
+
+
+def test_amp_auto_is_o2_on_ascend_only():
+    assert main.resolve_amp("auto", "Ascend") == "O2"
+    assert main.resolve_amp("auto", "CPU") == "O0"
+    assert main.resolve_amp("O1", "CPU") == "O1"
+
+
+def test_checksums_file_must_cover_all_four_files(tmp_path):
+    path = tmp_path / "sums"
+    path.write_text("ab  train-images-idx3-ubyte.gz\n")
+    with pytest.raises(main.UsageError, match="no checksum for t10k-images-idx3-ubyte"):
+        main.load_checksums(str(path))
+    assert main.load_checksums("") == main.FASHION_MNIST_SHA256
+
+
+def test_lenet_shapes_and_parameter_count():
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    net = main.LeNet()
+    out = net(ms.Tensor(np.zeros((2, 1, 28, 28), np.float32)))
+    assert out.shape == (2, 10)
+    # conv 1*6*25+6, conv 6*16*25+16, dense 400*120+120, 120*84+84, 84*10+10: the classic 61,706.
+    assert sum(p.size for p in net.trainable_params()) == 61706
+
+
+def test_weights_fingerprint_changes_with_any_weight():
+    net = main.LeNet()
+    before = main.weights_fingerprint(net)
+    param = net.trainable_params()[-1]
+    param.set_data(param + 1e-6)
+    assert before.dtype == np.int32 and not np.array_equal(before, main.weights_fingerprint(net))
