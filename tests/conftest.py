@@ -1,12 +1,17 @@
 """Shared fixtures: tiny generated Fashion-MNIST-shaped IDX data and a runner for the real job."""
 
+import contextlib
 import gzip
 import hashlib
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +98,57 @@ def run_msrun(cwd, args, workers=2, timeout=300, env=None):
 
 def read_summary(output_dir):
     return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+class Mirror(http.server.ThreadingHTTPServer):
+    """Serves the tiny dataset's .gz files under /<behaviour>/<file>; counts every request by path."""
+
+    daemon_threads = True  # a hanging handler must not hold up shutdown
+
+    def __init__(self, files):
+        super().__init__(("127.0.0.1", 0), MirrorHandler)
+        self.files, self.requests = files, Counter()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def total(self, behaviour):
+        return sum(n for path, n in self.requests.items() if path.startswith(f"/{behaviour}/"))
+
+
+class MirrorHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):  # keep test output clean
+        pass
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        self.server.requests[self.path] += 1
+        behaviour, _, name = self.path.strip("/").partition("/")
+        body = self.server.files.get(name)
+        if body is None or behaviour == "missing":
+            self.send_error(404)
+            return
+        if behaviour == "hang":
+            time.sleep(5)
+            return
+        if behaviour == "corrupt":
+            body = gzip.compress(gzip.decompress(body)[:-1] + b"\x01", mtime=0)
+        elif behaviour == "truncated":
+            body = body[: len(body) // 2]
+        elif behaviour == "html":
+            body = b"<html><body><h1>Service unavailable</h1></body></html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.server.files[name]) if behaviour == "cut" else len(body)))
+        self.end_headers()
+        # "cut" promises the whole file and closes the connection half-way, like a dropped link.
+        self.wfile.write(body[: len(body) // 2] if behaviour == "cut" else body)
+
+
+@contextlib.contextmanager
+def serve(files):
+    """A Mirror on a free loopback port, serving {file name: bytes}, for the duration of the block."""
+    server = Mirror(files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -6,21 +6,33 @@ import sys
 
 import pytest
 
-from conftest import ROOT, job_env, read_summary, run_msrun, tiny_args
+from conftest import ROOT, job_env, read_summary, run_msrun, serve, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def two_worker_run(tiny_data, tmp_path_factory):
-    """One 2-worker msrun job with MLflow's embedded default store (no server), shared by the checks."""
+    """One 2-worker msrun job shared by the checks: it downloads the tiny dataset from a loopback mirror
+    into an empty data dir and tracks to MLflow's embedded default store (no server)."""
     cwd = tmp_path_factory.mktemp("job")
-    result = run_msrun(cwd, tiny_args(tiny_data, cwd / "out", "--run-name", "e2e"))
-    return cwd, result
+    files = {p.name: p.read_bytes() for p in tiny_data.glob("*.gz")}
+    with serve(files) as mirror:
+        args = tiny_args(cwd / "data", cwd / "out", "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                         "--data-mirrors", f"{mirror.url}/good", "--run-name", "e2e")
+        result = run_msrun(cwd, args)
+    return cwd, result, mirror
+
+
+def test_data_is_downloaded_once_per_job_not_per_rank(two_worker_run):
+    cwd, result, mirror = two_worker_run
+    assert result.returncode == 0, result.logs
+    assert sorted(mirror.requests.values()) == [1, 1, 1, 1]
+    assert sorted(p.name for p in (cwd / "data").glob("*.gz")) == sorted(mirror.files)
 
 
 def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
-    cwd, result = two_worker_run
+    cwd, result, _ = two_worker_run
     assert result.returncode == 0, result.logs
     summary = read_summary(cwd / "out")
     assert summary["replicas_identical"] is True
@@ -31,20 +43,20 @@ def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
 
 
 def test_progress_lines_come_from_rank_0_only(two_worker_run):
-    _, result = two_worker_run
+    _, result, _ = two_worker_run
     assert "rank0 INFO epoch 1/1 | step 2/8 | loss " in result.logs["worker_0.log"]
     assert "samples/s" not in result.logs["worker_1.log"]
 
 
 def test_sample_grid_is_a_png(two_worker_run):
-    cwd, _ = two_worker_run
+    cwd, _, _ = two_worker_run
     png = (cwd / "out" / "samples.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
 
 
 def test_mlflow_embedded_store_holds_one_run_for_the_job(two_worker_run):
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-    cwd, _ = two_worker_run
+    cwd, _, _ = two_worker_run
     summary = read_summary(cwd / "out")
     client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("fashion-mnist-lenet")

@@ -1,0 +1,159 @@
+"""Getting the data: local copies, the system copy, and downloads from a real HTTP server on 127.0.0.1."""
+
+import gzip
+import hashlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+import main
+from conftest import ROOT, serve, write_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """The tiny dataset's gz files and checksums, served by a Mirror for the module's tests."""
+    source = tmp_path_factory.mktemp("mirror-files")
+    raw = write_dataset(source)
+    checksums = {name: hashlib.sha256(content).hexdigest() for name, content in raw.items()}
+    files = {p.name: p.read_bytes() for p in source.glob("*.gz")}
+    return source, checksums, files
+
+
+@pytest.fixture
+def mirror(dataset):
+    with serve(dataset[2]) as server:
+        yield server
+
+
+def fetch(data_dir, checksums, mirrors, timeout=5.0, system_dirs=(), say=lambda _: None):
+    return main.ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=system_dirs, say=say)
+
+
+def data_files(data_dir):
+    """Every file in the data dir but the lock: what a later run could find."""
+    return sorted(p.name for p in data_dir.iterdir() if p.name != ".lock")
+
+
+def assert_all_verified(data_dir, checksums):
+    assert data_files(data_dir) == sorted(f"{name}.gz" for name in checksums)
+    for name, expected in checksums.items():
+        main.check_file((data_dir / f"{name}.gz").read_bytes(), name, expected)
+
+
+def test_clean_download_then_no_request_on_rerun(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    assert_all_verified(tmp_path, checksums)
+    assert mirror.total("good") == 4
+    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    assert mirror.total("good") == 4  # the second run made no request at all
+
+
+@pytest.mark.parametrize("behaviour, message", [
+    ("corrupt", "SHA-256 of the content is"),
+    ("truncated", "corrupt or truncated gzip"),
+    ("html", "magic number"),
+    ("cut", "connection closed after"),
+])
+def test_bad_download_is_an_error_and_leaves_nothing(tmp_path, dataset, mirror, behaviour, message):
+    _, checksums, _ = dataset
+    with pytest.raises(main.UsageError, match=message) as error:
+        fetch(tmp_path, checksums, [f"{mirror.url}/{behaviour}"])
+    text = str(error.value)
+    assert "train-images-idx3-ubyte" in text and f"{mirror.url}/{behaviour}" in text
+    assert "--data-dir" in text and "dataset-fashion-mnist" in text  # says how to provide the data
+    assert data_files(tmp_path) == []
+
+
+def test_checksum_error_names_expected_and_actual(tmp_path, dataset, mirror):
+    _, checksums, files = dataset
+    with pytest.raises(main.UsageError) as error:
+        fetch(tmp_path, checksums, [f"{mirror.url}/corrupt"])
+    corrupt = gzip.decompress(files["train-images-idx3-ubyte.gz"])[:-1] + b"\x01"
+    assert checksums["train-images-idx3-ubyte"] in str(error.value)
+    assert hashlib.sha256(corrupt).hexdigest() in str(error.value)
+
+
+def test_hanging_server_times_out_in_bounded_time(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    started = time.monotonic()
+    with pytest.raises(main.UsageError, match=r"timed out.*after 3 attempts"):
+        fetch(tmp_path, checksums, [f"{mirror.url}/hang"], timeout=0.5)
+    assert time.monotonic() - started < 15  # 3 attempts of 0.5 s plus 1 s and 2 s of backoff
+    assert mirror.total("hang") == main.DOWNLOAD_RETRIES
+    assert data_files(tmp_path) == []
+
+
+def test_404_on_first_mirror_falls_through_to_second(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    fetch(tmp_path, checksums, [f"{mirror.url}/missing", f"{mirror.url}/good"])
+    assert_all_verified(tmp_path, checksums)
+    assert mirror.total("missing") == 4  # one request per file: a 404 is not retried
+    assert mirror.total("good") == 4
+
+
+def test_interrupted_download_then_successful_rerun(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    with pytest.raises(main.UsageError):
+        fetch(tmp_path, checksums, [f"{mirror.url}/cut"])
+    assert data_files(tmp_path) == []  # no partial file for the rerun to trust
+    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    assert_all_verified(tmp_path, checksums)
+
+
+def test_corrupt_local_file_is_replaced_by_a_verified_download(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01garbage")
+    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    assert_all_verified(tmp_path, checksums)
+
+
+def test_system_copy_is_used_without_any_request(tmp_path, dataset, mirror):
+    _, checksums, files = dataset
+    system_dir = tmp_path / "system"
+    system_dir.mkdir()
+    for name, body in files.items():  # decompressed, as another packaging might ship them
+        (system_dir / name.removesuffix(".gz")).write_bytes(gzip.decompress(body))
+    data_dir = tmp_path / "data"
+    fetch(data_dir, checksums, [f"{mirror.url}/good"], system_dirs=[str(system_dir)])
+    assert sum(mirror.requests.values()) == 0
+    assert data_files(data_dir) == sorted(checksums)
+
+
+def test_offline_error_lists_every_source(tmp_path, dataset):
+    _, checksums, _ = dataset
+    with pytest.raises(main.UsageError) as error:
+        fetch(tmp_path / "data", checksums, [], system_dirs=[str(tmp_path / "nowhere")])
+    text = str(error.value)
+    assert "no source has it" in text and str(tmp_path / "nowhere") in text and str(tmp_path / "data") in text
+
+
+def test_size_cap_stops_an_oversized_download(tmp_path, dataset, mirror, monkeypatch):
+    _, checksums, _ = dataset
+    monkeypatch.setattr(main, "DOWNLOAD_MAX_BYTES", 100)
+    with pytest.raises(main.UsageError, match="byte cap"):
+        fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    assert data_files(tmp_path) == []
+
+
+def test_large_download_reports_progress(tmp_path, mirror):
+    body = gzip.compress(bytes(range(256)) * (5 << 12), compresslevel=0)  # 5 MiB, over the progress threshold
+    mirror.files["big.gz"] = body
+    lines = []
+    assert main.download(f"{mirror.url}/good/big.gz", 5.0, say=lines.append) == body
+    assert lines and lines[-1].endswith("5 of 5 MiB")
+
+
+def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    code = ("import sys, main; main.ensure_data(sys.argv[1], dict(a.split('=') for a in sys.argv[3:]), "
+            "[sys.argv[2]], 5.0, system_dirs=())")
+    args = [f"{name}={digest}" for name, digest in checksums.items()]
+    jobs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"{mirror.url}/good", *args],
+                             cwd=ROOT) for _ in range(2)]
+    assert [job.wait(timeout=120) for job in jobs] == [0, 0]
+    assert_all_verified(tmp_path, checksums)
+    assert mirror.total("good") == 4  # the second job found verified files behind the lock
