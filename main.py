@@ -15,18 +15,23 @@ set, identical weights on every replica, and `outputs/summary.json` holding thos
 """
 
 import argparse
-import contextlib
+import collections
 import dataclasses
 import fcntl
 import gzip
 import hashlib
+import io
+import itertools
 import json
 import logging
 import math
 import os
+import queue
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -62,6 +67,10 @@ DOWNLOAD_RETRIES = 3
 DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
+# MLflow retries a dead server for minutes by default; these bound one request to about half a minute.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+MLFLOW_FINISH_TIMEOUT_S = 60
 OPTIMIZERS = ("sgd", "momentum", "adam")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
 DEVICES = ("auto", "Ascend", "CPU")
@@ -310,6 +319,7 @@ def write_atomic(path, data):
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide results from the other users of a shared volume
         with os.fdopen(fd, "wb") as out:
             out.write(data)
             out.flush()
@@ -431,10 +441,7 @@ def eval_dataset(images, labels, batch_size, rank, world_size):
 
 def save_sample_grid(images, labels, path, seed, count=10):
     """PNG of `count` random training images with their class names."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-
+    plt = pyplot()
     picks = np.random.default_rng(seed).choice(len(images), size=count, replace=False)
     cols = 5
     fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(cols * 1.6, 1.9 * math.ceil(count / cols)))
@@ -447,13 +454,52 @@ def save_sample_grid(images, labels, path, seed, count=10):
     write_figure(fig, path)
 
 
-def write_figure(fig, path):
-    import io  # pylint: disable=import-outside-toplevel
+def pyplot():
+    """matplotlib on its file-only backend, imported late: only rank 0 draws, and only after init()."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    return plt
+
+
+def write_figure(fig, path):
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
+    pyplot().close(fig)
     write_atomic(path, buffer.getvalue())
+
+
+def save_training_curves(loss_points, epoch_history, path):
+    """PNG of the training loss (per log interval) and the validation loss and accuracy (per epoch)."""
+    fig, (loss_ax, acc_ax) = pyplot().subplots(1, 2, figsize=(9, 3.4))
+    epochs = [e["epoch"] for e in epoch_history]
+    if loss_points:
+        loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
+    loss_ax.plot(epochs, [e["val_loss"] for e in epoch_history], "o-", label="test set", color="tab:orange")
+    loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
+    loss_ax.legend()
+    acc_ax.plot(epochs, [e["val_accuracy"] for e in epoch_history], "o-", color="tab:green")
+    acc_ax.set(xlabel="epoch", ylabel="accuracy", title="Test-set accuracy")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_figure(fig, path)
+
+
+def save_confusion_matrix(matrix, path):
+    """PNG of the test-set confusion matrix with counts, rows the true class."""
+    fig, ax = pyplot().subplots(figsize=(7, 6))
+    ax.imshow(matrix, cmap="Blues")
+    for (row, col), count in np.ndenumerate(matrix):
+        ax.text(col, row, str(count), ha="center", va="center", fontsize=7,
+                color="white" if count > matrix.max() / 2 else "black")
+    ticks = range(len(CLASS_NAMES))
+    ax.set_xticks(ticks, CLASS_NAMES, rotation=45, ha="right")
+    ax.set_yticks(ticks, CLASS_NAMES)
+    accuracy = np.trace(matrix) / max(matrix.sum(), 1)
+    ax.set(xlabel="predicted", ylabel="true", title=f"Test set: {matrix.sum()} images, accuracy {accuracy:.4f}")
+    fig.tight_layout()
+    write_figure(fig, path)
 
 
 # --- model
@@ -491,7 +537,26 @@ def weights_fingerprint(net):
     return np.frombuffer(digest.digest(), dtype=np.int32)
 
 
+def save_checkpoint(net, path):
+    """Write the network's weights so that `path` is complete or absent (MindSpore writes in place)."""
+    tmp = Path(path).with_name(f".{Path(path).stem}.part.ckpt")  # save_checkpoint insists on .ckpt
+    ms.save_checkpoint(net, str(tmp))
+    os.replace(tmp, path)
+
+
 # --- metrics and tracking
+
+
+def git_commit():
+    """The commit the job runs from: GIT_COMMIT (set when the image is built), else git, else None."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
 
 
 def correct_predictions(logits, one_hot_labels):
@@ -528,6 +593,25 @@ class GlobalMean(Metric):
         return total / count
 
 
+class GlobalConfusion(Metric):
+    """Confusion matrix (rows: true class, columns: predicted) over the whole test set, summed across ranks."""
+
+    def __init__(self, collective, num_classes=len(CLASS_NAMES)):
+        super().__init__()
+        self._collective, self._num_classes = collective, num_classes
+        self.clear()
+
+    def clear(self):
+        self._counts = np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
+
+    def update(self, *inputs):
+        predicted, actual = inputs[0].asnumpy().argmax(axis=1), inputs[1].asnumpy().argmax(axis=1)
+        np.add.at(self._counts, (actual, predicted), 1)
+
+    def eval(self):
+        return self._collective.all_gather(self._counts).sum(axis=0)
+
+
 class NullTracker:
     """Tracking on ranks other than 0, or when switched off: accepts everything, records nothing."""
 
@@ -544,41 +628,107 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """The job's single MLflow run, on rank 0. Logging is asynchronous so training never waits on it, and
-    any tracking failure becomes one warning: an experiment tracker must never fail a training job."""
+    """The job's one MLflow run, driven from rank 0 by a background thread.
 
-    def __init__(self, cfg, params, tags):
-        import mlflow  # pylint: disable=import-outside-toplevel
-        self._mlflow = mlflow
-        mlflow.set_experiment(cfg.experiment)
-        run = mlflow.start_run(run_name=cfg.run_name or None, tags=tags)
-        mlflow.log_params(params)
-        self.run_id = run.info.run_id
+    Training never waits for tracking: connecting, creating the run and every request happen on the thread,
+    metrics queued between two requests go out as one batch, and the first failure (server down at start
+    or gone mid-run) turns tracking off with one warning instead of failing or stalling the job. finish()
+    waits a bounded time and says what was not logged.
+    """
 
-    def _guard(self, what, action):
-        try:
-            return action()
-        except Exception as exc:  # pylint: disable=broad-except
-            log.warning("MLflow: could not %s (%s); training goes on", what, exc)
-            return None
+    def __init__(self, experiment, run_name, params, tags, finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
+        for name, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)  # bound MLflow's own retries; a user's setting wins
+        self._finish_timeout = finish_timeout
+        self._queue = queue.SimpleQueue()
+        self._not_logged = collections.Counter()
+        self._error = None
+        self._connected = threading.Event()  # set once the run exists or starting it failed
+        self._run_id = None
+        self._thread = threading.Thread(target=self._work, args=(experiment, run_name, params, tags),
+                                        name="mlflow-tracker", daemon=True)
+        self._thread.start()
+
+    @property
+    def run_id(self):
+        """The run's id once it exists; None if starting it failed or takes longer than the finish bound."""
+        self._connected.wait(self._finish_timeout)
+        return self._run_id
 
     def log_metrics(self, metrics, step):
-        self._guard("log metrics", lambda: self._mlflow.log_metrics(metrics, step=step, synchronous=False))
+        self._queue.put(("metrics", (dict(metrics), step, int(time.time() * 1000))))
 
     def log_artifact(self, path):
-        self._guard(f"log {path}", lambda: self._mlflow.log_artifact(str(path)))
+        self._queue.put(("artifact", str(path)))
 
     def finish(self, status):
-        self._guard("finish the run", lambda: self._mlflow.end_run(status=status))
+        self._queue.put(("end", status))
+        self._thread.join(self._finish_timeout)
+        if self._thread.is_alive():
+            self._fail(TimeoutError(f"no answer within {self._finish_timeout:.0f} s"), "finishing the run")
+            while not self._queue.empty():
+                kind, payload = self._queue.get()
+                self._count_not_logged(kind, [payload])
+        if self._not_logged:
+            what = ", ".join(f"{n} {kind}" for kind, n in sorted(self._not_logged.items()))
+            log.warning("MLflow: not logged: %s (tracking failed: %s)", what, self._error)
 
+    def _work(self, experiment, run_name, params, tags):
+        import mlflow  # pylint: disable=import-outside-toplevel
+        from mlflow.entities import Metric as MlflowMetric  # pylint: disable=import-outside-toplevel
+        try:
+            client = mlflow.MlflowClient()
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            run = client.create_run(experiment_id, run_name=run_name or None, tags=tags)
+            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params.items()])
+            self._run_id = run.info.run_id
+            log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment, mlflow.get_tracking_uri())
+        except Exception as exc:  # pylint: disable=broad-except
+            self._fail(exc, f"starting a run at {mlflow.get_tracking_uri()}")
+        self._connected.set()
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get())
+            # Consecutive metric items become one request; order with artifacts and the end is kept.
+            for kind, group in itertools.groupby(items, key=lambda item: item[0]):
+                payloads = [payload for _, payload in group]
+                if kind == "end":
+                    if self._error is None:
+                        self._attempt(lambda: client.set_terminated(self._run_id, payloads[0]), "ending the run",
+                                      "run end")
+                    return
+                if self._error is not None:
+                    self._count_not_logged(kind, payloads)
+                elif kind == "artifact":
+                    for path in payloads:
+                        self._attempt(lambda p=path: client.log_artifact(self._run_id, p), f"logging {path}",
+                                      "artifacts")
+                else:
+                    metrics = [MlflowMetric(k, float(v), ts, step)
+                               for values, step, ts in payloads for k, v in values.items()]
+                    self._attempt(lambda m=metrics: client.log_batch(self._run_id, metrics=m), "logging metrics",
+                                  "metric values", count=len(metrics))
 
-def start_tracking(cfg, params, tags):
-    try:
-        return MlflowTracker(cfg, params, tags)
-    except Exception as exc:  # pylint: disable=broad-except
-        log.warning("MLflow: could not start a run (%s); training goes on without tracking", exc)
-        return NullTracker()
+    def _count_not_logged(self, kind, payloads):
+        if kind == "metrics":
+            self._not_logged["metric values"] += sum(len(values) for values, _, _ in payloads)
+        elif kind == "artifact":
+            self._not_logged["artifacts"] += len(payloads)
 
+    def _attempt(self, action, what, kind, count=1):
+        try:
+            action()
+        except Exception as exc:  # pylint: disable=broad-except
+            self._not_logged[kind] += count
+            self._fail(exc, what)
+
+    def _fail(self, exc, what):
+        if self._error is None:
+            self._error = f"{what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            log.warning("MLflow: tracking is off for the rest of the job after a failure %s; training goes on",
+                        self._error)
 
 class TrainingMonitor(Callback):
     """Measures the job's figures on every rank (the gathers are collectives), prints them on rank 0 and
@@ -592,6 +742,8 @@ class TrainingMonitor(Callback):
         self.started = started
         self.first_step_s = None
         self.epoch_history = []
+        self.loss_points = []  # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
+        self.confusion = None
         self._loss_sum, self._loss_steps = None, 0
 
     def on_train_epoch_begin(self, run_context):
@@ -626,6 +778,7 @@ class TrainingMonitor(Callback):
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
             self.tracker.log_metrics(metrics, step=cb.cur_step_num)
+            self.loss_points.append((cb.cur_step_num / cb.batch_num, float(per_rank.mean())))
 
     def on_eval_begin(self, run_context):
         self._train_s = time.perf_counter() - self._epoch_start
@@ -638,7 +791,9 @@ class TrainingMonitor(Callback):
         eval_s = time.perf_counter() - self._eval_start if "metrics" in cb else 0.0
         figures = {"epoch": cb.cur_epoch_num, "train_s": self._train_s, "eval_s": eval_s,
                    "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
-        figures.update({f"val_{k}": float(v) for k, v in cb.get("metrics", {}).items()})
+        metrics = cb.get("metrics", {})
+        figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
+        self.confusion = metrics.get("confusion", self.confusion)
         self._train_s = None
         self.epoch_history.append(figures)
         if self.collective.is_main:
@@ -646,7 +801,9 @@ class TrainingMonitor(Callback):
                      "val_accuracy %.4f", cb.cur_epoch_num, self.epochs, figures["train_s"],
                      f"{figures['train_samples_per_s']:,.0f}", eval_s, figures.get("val_loss", float("nan")),
                      figures.get("val_accuracy", float("nan")))
-            self.tracker.log_metrics({k: v for k, v in figures.items() if k != "epoch"}, step=cb.cur_step_num)
+            # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
+            self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
+                                      for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
 
     _train_s = None
 
@@ -694,14 +851,17 @@ def main(argv=None):
         log.error("%s", exc)
         return EXIT_USAGE
 
-    params = {**{k: str(v) for k, v in dataclasses.asdict(cfg).items()}, "device": device,
-              "world_size": world_size, "global_batch_size": cfg.batch_size * world_size,
-              "amp_level": amp_level, "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
     tracker = NullTracker()
     if collective.is_main:
         save_sample_grid(train_images, train_labels, cfg.output_dir / "samples.png", cfg.seed)
         if cfg.tracking == "on":
-            tracker = start_tracking(cfg, params, tags={"device": device, "world_size": str(world_size)})
+            params = {**dataclasses.asdict(cfg), "device": device, "world_size": world_size,
+                      "global_batch_size": cfg.batch_size * world_size, "amp_level": amp_level,
+                      "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
+            tags = {"device": device, "world_size": str(world_size), "job_version": JOB_VERSION}
+            if commit := git_commit():
+                tags["git_commit"] = commit
+            tracker = MlflowTracker(cfg.experiment, cfg.run_name, params, tags)
             tracker.log_artifact(cfg.output_dir / "samples.png")
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size)
@@ -710,34 +870,42 @@ def main(argv=None):
     model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean"),
                   make_optimizer(cfg, net.trainable_params()), amp_level=amp_level,
                   metrics={"loss": GlobalMean(cross_entropy, collective),
-                           "accuracy": GlobalMean(correct_predictions, collective)})
+                           "accuracy": GlobalMean(correct_predictions, collective),
+                           "confusion": GlobalConfusion(collective)})
     monitor = TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * world_size,
                               cfg.log_interval, started)
     fit_start = time.perf_counter()
     model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=[monitor], dataset_sink_mode=False)
-    train_s = sum(e["train_s"] for e in monitor.epoch_history)
+    fit_s = time.perf_counter() - fit_start
 
     fingerprints = collective.all_gather(weights_fingerprint(net))
     replicas_identical = bool((fingerprints == fingerprints[0]).all())
-    final = monitor.epoch_history[-1]
+    if not collective.is_main:
+        return 0 if replicas_identical else 1
+
+    history = monitor.epoch_history
+    train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": device, "world_size": world_size, "amp_level": amp_level, "epochs": cfg.epochs,
         "global_batch_size": cfg.batch_size * world_size,
-        "test_accuracy": final["val_accuracy"], "test_loss": final["val_loss"],
-        "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in monitor.epoch_history)
-        / train_s,
-        "first_step_s": monitor.first_step_s, "fit_s": time.perf_counter() - fit_start,
-        "wall_s": time.perf_counter() - started, "replicas_identical": replicas_identical,
-        "mlflow_run_id": tracker.run_id, "epoch_history": monitor.epoch_history,
+        "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
+        "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
+        "first_step_s": monitor.first_step_s, "fit_s": fit_s, "wall_s": time.perf_counter() - started,
+        "replicas_identical": replicas_identical, "mlflow_run_id": tracker.run_id, "epoch_history": history,
     }
-    if collective.is_main:
-        write_json(cfg.output_dir / "summary.json", summary)
-        tracker.log_metrics({"wall_s": summary["wall_s"]}, step=0)
-        tracker.log_artifact(cfg.output_dir / "summary.json")
-        tracker.finish("FINISHED" if replicas_identical else "FAILED")
-        log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s",
-                 summary["test_accuracy"], summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}",
-                 summary["wall_s"], cfg.output_dir / "summary.json")
+    outputs = {"model.ckpt": lambda path: save_checkpoint(net, path),
+               "training_curves.png": lambda path: save_training_curves(monitor.loss_points, history, path),
+               "confusion_matrix.png": lambda path: save_confusion_matrix(monitor.confusion, path),
+               "summary.json": lambda path: write_json(path, summary)}
+    for name, write in outputs.items():
+        write(cfg.output_dir / name)
+        tracker.log_artifact(cfg.output_dir / name)
+    tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],
+                         "test_loss": summary["test_loss"]}, step=cfg.epochs)
+    tracker.finish("FINISHED" if replicas_identical else "FAILED")
+    log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s",
+             summary["test_accuracy"], summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}",
+             summary["wall_s"], cfg.output_dir / "summary.json")
     if not replicas_identical:
         log.error("replicas diverged: weight fingerprints differ across ranks %s", fingerprints.tolist())
         return 1
