@@ -3,6 +3,7 @@
 #   make test   the whole test suite, as CI runs it
 PYTHON ?= python3
 VENV ?= .venv
+CHECKOV_VENV ?= .venv-checkov
 BIN := $(abspath $(VENV))/bin
 SYSTEM_DATA := /usr/share/datasets/fashion-mnist
 
@@ -20,8 +21,10 @@ $(VENV)/.runtime: requirements.txt
 	$(BIN)/pip install --quiet -r requirements.txt
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt $(VENV)/.runtime
+$(VENV)/.dev: requirements-dev.txt requirements-checkov.txt $(VENV)/.runtime
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet -r requirements-checkov.txt
 	touch $@
 
 # Debian and Ubuntu package Fashion-MNIST, so a machine without a route to the official mirror still has the
@@ -34,4 +37,4 @@ system-data:
 	fi
 
 clean:
-	rm -rf $(VENV) outputs mlruns mlflow.db
+	rm -rf $(VENV) $(CHECKOV_VENV) outputs mlruns mlflow.db

@@ -183,16 +183,17 @@ def resolve_amp(amp, device):
 
 
 def init_distributed():
-    """Join the msrun job if there is one; returns (rank, world_size), (0, 1) for a lone process."""
+    """Join the msrun job if there is one; returns (rank, local_rank, world_size), (0, 0, 1) for a lone
+    process. msrun numbers the workers of each node from 0 in DEVICE_ID."""
     if "MS_ROLE" not in os.environ:
-        return 0, 1
+        return 0, 0, 1
     # The backend follows the device: HCCL on Ascend, MindSpore's CPU collective (mccl) on CPU.
     # msrun's scheduler process never returns from here, which is why nothing costly happens before it.
     init()
     world_size = get_group_size()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  device_num=world_size)
-    return get_rank(), world_size
+    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size
 
 
 class Collective:
@@ -202,9 +203,10 @@ class Collective:
     rows also give the per-rank view for free.
     """
 
-    def __init__(self, rank, world_size):
+    def __init__(self, rank, local_rank, world_size):
         self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
+        self.is_main = rank == 0  # writes the job's results
+        self.is_local_main = local_rank == 0  # makes the data available on its node
         self._gather = ops.AllGather() if world_size > 1 else None
 
     def all_gather(self, array):
@@ -833,8 +835,8 @@ def main(argv=None):
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device)
 
-    rank, world_size = init_distributed()
-    collective = Collective(rank, world_size)
+    rank, local_rank, world_size = init_distributed()
+    collective = Collective(rank, local_rank, world_size)
     configure_logging(rank)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
     log.info("device %s, world size %d, amp %s, settings %s", device, world_size, amp_level,
@@ -843,6 +845,7 @@ def main(argv=None):
     try:
         if collective.is_main:
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        if collective.is_local_main:  # one per node: nodes need not share a file system
             ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info)
         collective.barrier()
         train_images, train_labels = load_split(cfg.data_dir, "train")

@@ -10,8 +10,13 @@
 #   MASTER_ADDR  host of node 0, where msrun's scheduler listens (default 127.0.0.1; required when NODES > 1)
 #   MASTER_PORT  scheduler port; default a free port on a single node, 8118 across nodes
 #   OUTPUT_DIR   where summary.json and PNGs go (default outputs); msrun's logs go to LOG_DIR
-#   LOG_DIR      per-worker logs (default $OUTPUT_DIR/logs)
+#   LOG_DIR      per-worker logs (default $OUTPUT_DIR/logs, and $OUTPUT_DIR/logs/nodeN across nodes)
 #   CLUSTER_TIMEOUT  seconds msrun waits for all nodes to join (default 600)
+#   GLOG_v       MindSpore's C++ log level: 3 (errors only, the default here) keeps the console readable;
+#                2 adds warnings
+#   DRY_RUN      1: print the msrun command this node would run, and exit
+#   ASCEND_ENV   CANN's environment script, sourced when present
+#                (default /usr/local/Ascend/ascend-toolkit/set_env.sh)
 #
 # Exit status: msrun's (0 when every worker succeeded). On failure the failing worker's log tail is shown.
 set -euo pipefail
@@ -70,9 +75,17 @@ report_failure() {
 command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
 command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv first"
 
+: "${ASCEND_ENV:=/usr/local/Ascend/ascend-toolkit/set_env.sh}"
+if [[ -f "$ASCEND_ENV" ]]; then
+  set +u  # CANN's script reads variables that may be unset
+  # shellcheck source=/dev/null
+  source "$ASCEND_ENV"
+  set -u
+fi
+export GLOG_v=${GLOG_v:-3}
+
 : "${NODES:=1}"
 : "${NODE_RANK:=${JOB_COMPLETION_INDEX:-0}}"
-: "${MASTER_ADDR:=127.0.0.1}"
 : "${CLUSTER_TIMEOUT:=600}"
 if [[ -z "${WORKERS:-}" ]]; then
   WORKERS=$(count_ascend_devices)
@@ -86,14 +99,17 @@ for var in WORKERS NODES NODE_RANK MASTER_PORT CLUSTER_TIMEOUT; do
 done
 ((WORKERS >= 1 && NODES >= 1)) || die "WORKERS and NODES must be at least 1"
 ((NODE_RANK < NODES)) || die "NODE_RANK ($NODE_RANK) must be below NODES ($NODES)"
-if ((NODES > 1)) && [[ "$MASTER_ADDR" == 127.0.0.1 ]]; then
+if ((NODES > 1)) && [[ -z "${MASTER_ADDR:-}" ]]; then
   die "NODES=$NODES needs MASTER_ADDR, the address of node 0"
 fi
+: "${MASTER_ADDR:=127.0.0.1}"
 
 output_dir=$(output_dir_of "$@")
-: "${LOG_DIR:=$output_dir/logs}"
-mkdir -p "$LOG_DIR"
-
+if ((NODES > 1)); then
+  : "${LOG_DIR:=$output_dir/logs/node$NODE_RANK}"  # msrun names logs by local rank: keep nodes apart
+else
+  : "${LOG_DIR:=$output_dir/logs}"
+fi
 launcher=(
   msrun
   "--worker_num=$((WORKERS * NODES))"
@@ -105,6 +121,12 @@ launcher=(
   "--cluster_time_out=$CLUSTER_TIMEOUT"
   --join=True
 )
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${launcher[@]}" python "$here/main.py" "$@"
+  echo
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
 status=0

@@ -1,0 +1,45 @@
+# The training job's image. Default: Ascend NPUs, on the CANN image whose CANN release MindSpore 2.10
+# supports (8.2 to 9.1) with Python 3.11. The same file builds a CPU image from a plain Python base:
+#   docker build -t fashion-mnist-mindspore:1.0.0 .
+#   docker build --build-arg BASE_IMAGE=python:3.11.14-slim-bookworm -t fashion-mnist-mindspore:1.0.0-cpu .
+ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
+FROM ${BASE_IMAGE}
+
+# 1 bakes Fashion-MNIST into the image (Debian/Ubuntu package dataset-fashion-mnist) so pods need no
+# internet; the job finds it in /usr/share/datasets/fashion-mnist. 0 leaves the download to the job.
+ARG BAKE_DATA=1
+ARG GIT_COMMIT=""
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+USER 0
+
+# Pinned to the one version Debian and Ubuntu ship; its content is verified by checksum at run time anyway.
+RUN if [ "${BAKE_DATA}" = 1 ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends dataset-fashion-mnist=0.0~git20200523.55506a9-1 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+WORKDIR /opt/job
+# Requirements before the source, so editing main.py does not reinstall 2.5 GB of packages.
+COPY requirements.txt ./
+RUN python -m pip install --no-cache-dir -r requirements.txt
+
+COPY main.py run.sh ./
+
+# uid/gid 1000 is HwHiAiUser on Ascend hosts, the owner of the driver files the container reads.
+RUN (getent group 1000 >/dev/null || groupadd --gid 1000 trainer) \
+    && (getent passwd 1000 >/dev/null || useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash trainer) \
+    && mkdir -p /workspace \
+    && chown 1000:1000 /workspace
+
+ENV PYTHONUNBUFFERED=1 \
+    MPLBACKEND=Agg \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    DATA_DIR=/workspace/data \
+    OUTPUT_DIR=/workspace/outputs \
+    GIT_COMMIT=${GIT_COMMIT}
+
+USER 1000:1000
+WORKDIR /workspace
+ENTRYPOINT ["/opt/job/run.sh"]
