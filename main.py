@@ -112,6 +112,10 @@ def build_parser():
                                      "files (to train on another IDX dataset)")
     add("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned")
     add("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go")
+    add("--resume", str, "auto", "auto: continue from the newest good checkpoint in the output dir; "
+                                 "never: start fresh", choices=("auto", "never"))
+    add("--keep-checkpoints", int, 3, "epoch checkpoints kept in <output-dir>/checkpoints")
+    add("--predict", str, "", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit")
     add("--experiment", str, "fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME")
     add("--run-name", str, "", "MLflow run name (default: MLflow picks one)")
     add("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"))
@@ -135,6 +139,9 @@ class Config:
     checksums_file: str
     download_timeout: float
     output_dir: Path
+    resume: str
+    keep_checkpoints: int
+    predict: str
     experiment: str
     run_name: str
     tracking: str
@@ -148,7 +155,8 @@ class Config:
 def parse_config(argv=None):
     cfg = Config(**vars(build_parser().parse_args(argv)))
     positive = {"--epochs": cfg.epochs, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
-                "--log-interval": cfg.log_interval, "--download-timeout": cfg.download_timeout}
+                "--log-interval": cfg.log_interval, "--download-timeout": cfg.download_timeout,
+                "--keep-checkpoints": cfg.keep_checkpoints}
     for flag, value in positive.items():
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value} (flag or {env_name(flag)})")
@@ -539,11 +547,60 @@ def weights_fingerprint(net):
     return np.frombuffer(digest.digest(), dtype=np.int32)
 
 
-def save_checkpoint(net, path):
-    """Write the network's weights so that `path` is complete or absent (MindSpore writes in place)."""
+def save_checkpoint(cell, path, extra=None):
+    """Write a CRC-checked checkpoint so that `path` is complete or absent (MindSpore writes in place)."""
     tmp = Path(path).with_name(f".{Path(path).stem}.part.ckpt")  # save_checkpoint insists on .ckpt
-    ms.save_checkpoint(net, str(tmp))
+    ms.save_checkpoint(cell, str(tmp), append_dict=extra, crc_check=True)
     os.replace(tmp, path)
+
+
+def export_mindir(net, path):
+    """The model for inference as MindIR, written atomically like everything else."""
+    tmp = Path(path).with_name(f".{Path(path).stem}.part")
+    any_batch = Tensor(shape=[None, 1, IMAGE_SIZE, IMAGE_SIZE], dtype=ms.float32)
+    ms.export(net, any_batch, file_name=str(tmp), file_format="MINDIR")
+    os.replace(f"{tmp}.mindir", path)
+
+
+def checkpoint_path(directory, epoch):
+    return Path(directory) / f"epoch-{epoch:04d}.ckpt"
+
+
+def load_latest_checkpoint(directory, train_network):
+    """Load the newest checkpoint that reads back whole into `train_network` (weights and optimizer state);
+    a corrupt or partial one is skipped with a warning. Returns its metadata, or None."""
+    for path in sorted(Path(directory).glob("epoch-*.ckpt"), reverse=True):
+        try:
+            params = ms.load_checkpoint(str(path), crc_check=True)
+            meta = json.loads(params.pop("meta"))
+            missing, _ = ms.load_param_into_net(train_network, params)
+            if missing:
+                raise ValueError(f"it lacks {len(missing)} parameters, such as {missing[0]}")
+        except Exception as exc:  # pylint: disable=broad-except
+            log.warning("skipping checkpoint %s: %s", path, str(exc).splitlines()[0])
+            continue
+        return {**meta, "path": str(path)}
+    return None
+
+
+class CheckpointSaver(Callback):
+    """Rank 0 writes one checkpoint per epoch (weights, optimizer state, epoch and the figures so far) and
+    keeps the newest `keep`; only one process ever writes a checkpoint file."""
+
+    def __init__(self, directory, keep, monitor, tracker):
+        super().__init__()
+        self.directory, self.keep, self.monitor, self.tracker = Path(directory), keep, monitor, tracker
+
+    def on_train_epoch_end(self, run_context):
+        cb = run_context.original_args()
+        # run_id waits only while the run is being created, so a resumed job can continue the same run.
+        meta = {"epoch": cb.cur_epoch_num, "mlflow_run_id": self.tracker.run_id,
+                "history": self.monitor.epoch_history, "loss_points": self.monitor.loss_points}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(cb.train_network, checkpoint_path(self.directory, cb.cur_epoch_num),
+                        extra={"meta": json.dumps(meta)})
+        for old in sorted(self.directory.glob("epoch-*.ckpt"))[:-self.keep]:
+            old.unlink()
 
 
 # --- metrics and tracking
@@ -638,7 +695,8 @@ class MlflowTracker(NullTracker):
     waits a bounded time and says what was not logged.
     """
 
-    def __init__(self, experiment, run_name, params, tags, finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
+    def __init__(self, experiment, run_name, params, tags, resume_run_id=None,
+                 finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
         for name, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)  # bound MLflow's own retries; a user's setting wins
         self._finish_timeout = finish_timeout
@@ -647,7 +705,7 @@ class MlflowTracker(NullTracker):
         self._error = None
         self._connected = threading.Event()  # set once the run exists or starting it failed
         self._run_id = None
-        self._thread = threading.Thread(target=self._work, args=(experiment, run_name, params, tags),
+        self._thread = threading.Thread(target=self._work, args=(experiment, run_name, params, tags, resume_run_id),
                                         name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -675,16 +733,22 @@ class MlflowTracker(NullTracker):
             what = ", ".join(f"{n} {kind}" for kind, n in sorted(self._not_logged.items()))
             log.warning("MLflow: not logged: %s (tracking failed: %s)", what, self._error)
 
-    def _work(self, experiment, run_name, params, tags):
+    def _work(self, experiment, run_name, params, tags, resume_run_id):
         import mlflow  # pylint: disable=import-outside-toplevel
         from mlflow.entities import Metric as MlflowMetric  # pylint: disable=import-outside-toplevel
         try:
             client = mlflow.MlflowClient()
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-            run = client.create_run(experiment_id, run_name=run_name or None, tags=tags)
-            client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params.items()])
-            self._run_id = run.info.run_id
+            if resume_run_id:  # a resumed job continues its run; its parameters are already there
+                client.update_run(resume_run_id, status="RUNNING")
+                client.set_tag(resume_run_id, "resumed", "true")
+                self._run_id = resume_run_id
+            else:
+                found = client.get_experiment_by_name(experiment)
+                experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+                run = client.create_run(experiment_id, run_name=run_name or None, tags=tags)
+                params = [mlflow.entities.Param(k, str(v)) for k, v in params.items()]
+                client.log_batch(run.info.run_id, params=params)
+                self._run_id = run.info.run_id
             log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment, mlflow.get_tracking_uri())
         except Exception as exc:  # pylint: disable=broad-except
             self._fail(exc, f"starting a run at {mlflow.get_tracking_uri()}")
@@ -737,14 +801,16 @@ class TrainingMonitor(Callback):
     hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
     per-epoch validation loss and accuracy over the full test set."""
 
-    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started):
+    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None):
         super().__init__()
         self.collective, self.tracker = collective, tracker
         self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
         self.started = started
         self.first_step_s = None
-        self.epoch_history = []
-        self.loss_points = []  # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
+        # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
+        self.epoch_history = list(resumed["history"]) if resumed else []
+        # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
+        self.loss_points = [tuple(p) for p in resumed["loss_points"]] if resumed else []
         self.confusion = None
         self._loss_sum, self._loss_steps = None, 0
 
@@ -764,23 +830,23 @@ class TrainingMonitor(Callback):
             self.first_step_s = time.perf_counter() - self.started
             if self.collective.is_main:
                 log.info("first step done %.1f s after start", self.first_step_s)
-        if cb.cur_step_num % self.log_interval == 0:
-            self._report_interval(cb)
+        step = (cb.cur_epoch_num - 1) * cb.batch_num + self._epoch_steps  # counts on across a resume
+        if step % self.log_interval == 0:
+            self._report_interval(cb, step)
 
-    def _report_interval(self, cb):
+    def _report_interval(self, cb, step):
         per_rank = self.collective.all_gather(np.float64(self._loss_sum.asnumpy()) / self._loss_steps)
         self._loss_sum, self._loss_steps = None, 0
         now = time.perf_counter()
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
         if self.collective.is_main:
-            step_in_epoch = (cb.cur_step_num - 1) % cb.batch_num + 1
             log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
-                     step_in_epoch, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
+                     self._epoch_steps, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
-            self.tracker.log_metrics(metrics, step=cb.cur_step_num)
-            self.loss_points.append((cb.cur_step_num / cb.batch_num, float(per_rank.mean())))
+            self.tracker.log_metrics(metrics, step=step)
+            self.loss_points.append((step / cb.batch_num, float(per_rank.mean())))
 
     def on_eval_begin(self, run_context):
         self._train_s = time.perf_counter() - self._epoch_start
@@ -815,8 +881,36 @@ def write_json(path, data):
 
 
 def configure_logging(rank):
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
-                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, force=True, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+
+
+def predict(model_path, metrics, test_ds, collective):
+    """Evaluate a saved model on the test set: a checkpoint of LeNet's weights or an exported MindIR."""
+    path = Path(model_path)
+    if not path.is_file():
+        log.error("--predict %s: no such file; give a model.ckpt or model.mindir from a finished job", path)
+        return EXIT_USAGE
+    try:
+        if path.suffix == ".mindir":
+            net = nn.GraphCell(ms.load(str(path)))
+        else:
+            net = LeNet()
+            missing, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(path), crc_check=True))
+            if missing:
+                raise ValueError(f"it has no {', '.join(missing)}")
+    except (ValueError, RuntimeError) as exc:
+        log.error("--predict %s: cannot load it (%s)", path, str(exc).splitlines()[0])
+        return EXIT_USAGE
+    for images, labels in test_ds.create_tuple_iterator(num_epochs=1):
+        logits = net(images)
+        for metric in metrics.values():
+            metric.update(logits, labels)
+    results = {name: metric.eval() for name, metric in metrics.items()}
+    if collective.is_main:
+        print(f"{path}: test accuracy {results['accuracy']:.4f}, test loss {results['loss']:.4f} "
+              f"on {int(results['confusion'].sum())} images")
+    return 0
 
 
 # --- main
@@ -839,8 +933,9 @@ def main(argv=None):
     collective = Collective(rank, local_rank, world_size)
     configure_logging(rank)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
-    log.info("device %s, world size %d, amp %s, settings %s", device, world_size, amp_level,
-             json.dumps(dataclasses.asdict(cfg), default=str))
+    # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
+    log.info("rank %d of %d (pid %d), device %s, amp %s, settings %s", rank, world_size, os.getpid(), device,
+             amp_level, json.dumps(dataclasses.asdict(cfg), default=str))
 
     try:
         if collective.is_main:
@@ -854,6 +949,26 @@ def main(argv=None):
         log.error("%s", exc)
         return EXIT_USAGE
 
+    test_ds = eval_dataset(test_images, test_labels, cfg.batch_size, rank, world_size)
+    metrics = {"loss": GlobalMean(cross_entropy, collective),
+               "accuracy": GlobalMean(correct_predictions, collective), "confusion": GlobalConfusion(collective)}
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
+    if cfg.predict:
+        return predict(cfg.predict, metrics, test_ds, collective)
+
+    net = LeNet()
+    model = Model(net, loss_fn, make_optimizer(cfg, net.trainable_params()), amp_level=amp_level, metrics=metrics)
+    checkpoints = cfg.output_dir / "checkpoints"
+    resumed = load_latest_checkpoint(checkpoints, model.train_network) if cfg.resume == "auto" else None
+    start_epoch = resumed["epoch"] if resumed else 0
+    agreed = collective.all_gather(np.int64(start_epoch))
+    if (agreed != start_epoch).any():
+        log.error("ranks found different checkpoints to resume from (epochs %s); is %s shared by all nodes?",
+                  agreed.tolist(), checkpoints)
+        return EXIT_USAGE
+    if resumed:
+        log.info("resuming from %s: %d of %d epochs done", resumed["path"], start_epoch, cfg.epochs)
+
     tracker = NullTracker()
     if collective.is_main:
         save_sample_grid(train_images, train_labels, cfg.output_dir / "samples.png", cfg.seed)
@@ -864,29 +979,29 @@ def main(argv=None):
             tags = {"device": device, "world_size": str(world_size), "job_version": JOB_VERSION}
             if commit := git_commit():
                 tags["git_commit"] = commit
-            tracker = MlflowTracker(cfg.experiment, cfg.run_name, params, tags)
+            tracker = MlflowTracker(cfg.experiment, cfg.run_name, params, tags,
+                                    resume_run_id=resumed and resumed["mlflow_run_id"])
             tracker.log_artifact(cfg.output_dir / "samples.png")
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size)
-    test_ds = eval_dataset(test_images, test_labels, cfg.batch_size, rank, world_size)
-    net = LeNet()
-    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean"),
-                  make_optimizer(cfg, net.trainable_params()), amp_level=amp_level,
-                  metrics={"loss": GlobalMean(cross_entropy, collective),
-                           "accuracy": GlobalMean(correct_predictions, collective),
-                           "confusion": GlobalConfusion(collective)})
     monitor = TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * world_size,
-                              cfg.log_interval, started)
+                              cfg.log_interval, started, resumed)
+    callbacks = [monitor]
+    if collective.is_main:
+        callbacks.append(CheckpointSaver(checkpoints, cfg.keep_checkpoints, monitor, tracker))
     fit_start = time.perf_counter()
-    model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=[monitor], dataset_sink_mode=False)
+    model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=callbacks, dataset_sink_mode=False,
+              initial_epoch=min(start_epoch, cfg.epochs))
     fit_s = time.perf_counter() - fit_start
+    if monitor.confusion is None:  # every epoch was done before this run: evaluate the final model once
+        monitor.confusion = model.eval(test_ds, dataset_sink_mode=False)["confusion"]
 
     fingerprints = collective.all_gather(weights_fingerprint(net))
     replicas_identical = bool((fingerprints == fingerprints[0]).all())
     if not collective.is_main:
         return 0 if replicas_identical else 1
 
-    history = monitor.epoch_history
+    history = monitor.epoch_history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": device, "world_size": world_size, "amp_level": amp_level, "epochs": cfg.epochs,
@@ -894,9 +1009,11 @@ def main(argv=None):
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": monitor.first_step_s, "fit_s": fit_s, "wall_s": time.perf_counter() - started,
-        "replicas_identical": replicas_identical, "mlflow_run_id": tracker.run_id, "epoch_history": history,
+        "replicas_identical": replicas_identical, "mlflow_run_id": tracker.run_id,
+        "resumed_from_epoch": start_epoch, "epoch_history": history,
     }
     outputs = {"model.ckpt": lambda path: save_checkpoint(net, path),
+               "model.mindir": lambda path: export_mindir(net, path),
                "training_curves.png": lambda path: save_training_curves(monitor.loss_points, history, path),
                "confusion_matrix.png": lambda path: save_confusion_matrix(monitor.confusion, path),
                "summary.json": lambda path: write_json(path, summary)}

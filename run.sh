@@ -53,21 +53,37 @@ output_dir_of() {
   printf '%s\n' "$dir"
 }
 
+describe_exit() {
+  # msrun reports a worker's exit code; a negative one is the signal that ended it.
+  case "$1" in
+    -9) echo "was killed by SIGKILL (kill -9, or the out-of-memory killer: check the memory limit)" ;;
+    -15) echo "was stopped by SIGTERM" ;;
+    -*) echo "was killed by signal ${1#-}" ;;
+    2) echo "exited with status 2: a bad setting or missing data" ;;
+    *) echo "exited with status $1" ;;
+  esac
+}
+
 report_failure() {
-  # msrun says only "check logs"; name the worker(s) that failed and show why.
-  local status=$1 log_dir=$2 log failed=0
+  # msrun itself only says "check logs": name the worker that failed, say how, and show why.
+  local status=$1 log_dir=$2 pid code log found=0
   echo "run.sh: the job failed (msrun exit status $status)" >&2
-  for log in "$log_dir"/worker_*.log; do
-    [[ -e "$log" ]] || continue
-    if grep -qE 'Traceback|ERROR|Error:|Killed|exit code|exited with' "$log"; then
-      failed=1
-      echo "run.sh: ${log##*/} reports a failure; its last lines:" >&2
+  while read -r pid code; do
+    log=$(grep -l "(pid $pid)" "$log_dir"/worker_*.log 2>/dev/null | head -n 1 || true)
+    echo "run.sh: ${log:+${log##*/}, }process $pid $(describe_exit "$code")" >&2
+    if [[ -n "$log" ]]; then
+      found=1
+      echo "run.sh: the last lines of ${log##*/}:" >&2
       grep -vE '^\[(WARNING|INFO)\]' "$log" | tail -n 15 | sed 's/^/    /' >&2
     fi
-  done
-  if ((!failed)) && [[ -e "$log_dir/scheduler.log" ]]; then
-    echo "run.sh: no worker log names an error; the scheduler's last lines:" >&2
-    tail -n 15 "$log_dir/scheduler.log" | sed 's/^/    /' >&2
+  done < <(sed -n 's/.*Worker process \([0-9]*\) exit with exception\. Error code: \(-\{0,1\}[0-9]*\)\..*/\1 \2/p' \
+             "$log_dir/msrun.log")
+  if ((!found)); then
+    for log in "$log_dir"/worker_*.log; do
+      grep -qE 'Traceback|ERROR' "$log" 2>/dev/null || continue
+      echo "run.sh: ${log##*/} reports an error; its last lines:" >&2
+      grep -vE '^\[(WARNING|INFO)\]' "$log" | tail -n 15 | sed 's/^/    /' >&2
+    done
   fi
   echo "run.sh: all logs are in $log_dir" >&2
 }
@@ -130,7 +146,7 @@ mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
 status=0
-"${launcher[@]}" python "$here/main.py" "$@" || status=$?
+"${launcher[@]}" python "$here/main.py" "$@" 2>&1 | tee "$LOG_DIR/msrun.log" || status=$?
 if ((status != 0)); then
   report_failure "$status" "$LOG_DIR"
   exit "$status"

@@ -40,11 +40,11 @@ def make_split(count, seed):
     return images.astype(np.uint8), labels.astype(np.uint8)
 
 
-def write_dataset(directory, seed=0):
+def write_dataset(directory, seed=0, splits=None):
     """Write the four gzipped IDX files and a sha256sum-style CHECKSUMS file; return {name: raw IDX bytes}."""
     directory.mkdir(parents=True, exist_ok=True)
     raw = {}
-    for offset, (split, count) in enumerate(SPLITS.items()):
+    for offset, (split, count) in enumerate((splits or SPLITS).items()):
         images, labels = make_split(count, seed + offset)
         raw[f"{split}-images-idx3-ubyte"] = idx_bytes(images)
         raw[f"{split}-labels-idx1-ubyte"] = idx_bytes(labels)

@@ -1,0 +1,143 @@
+"""Checkpoints, automatic resume and fast failure, with real msrun and 2 CPU workers."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, job_env, read_summary, write_dataset
+
+pytestmark = pytest.mark.timeout(900)
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module")
+def longer_data(tmp_path_factory):
+    """Enough samples that an epoch lasts seconds, so a worker can be killed in the middle of epoch 2."""
+    directory = tmp_path_factory.mktemp("longer-data")
+    write_dataset(directory, splits={"train": 4096, "t10k": 256})
+    return directory
+
+
+def job_args(data_dir, *extra):
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--epochs", str(EPOCHS), "--batch-size", "16", "--log-interval", "8", *extra]
+
+
+def start_run_sh(cwd, args):
+    return subprocess.Popen([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(WORKERS="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, pattern, process, timeout=240):
+    """The first match of `pattern` in the file at `path`, polling while `process` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists():
+            match = re.search(pattern, path.read_text(errors="replace"))
+            if match:
+                return match
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} did not appear in {path}")
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(longer_data, tmp_path_factory):
+    """A 2-worker job whose worker 1 is SIGKILLed during epoch 2, then the same command run again."""
+    cwd = tmp_path_factory.mktemp("killed")
+    logs = cwd / "out" / "logs"
+    job = start_run_sh(cwd, job_args(longer_data))
+    pid = int(wait_for(logs / "worker_1.log", r"rank 1 of 2 \(pid (\d+)\)", job).group(1))
+    wait_for(logs / "worker_0.log", r"epoch 2/3 \| step 16/", job)
+    killed_at = time.monotonic()
+    subprocess.run(["kill", "-9", str(pid)], check=True)
+    _, stderr = job.communicate(timeout=300)
+    failed_after = time.monotonic() - killed_at
+    first = {"status": job.returncode, "stderr": stderr, "failed_after": failed_after,
+             "checkpoints": sorted(p.name for p in (cwd / "out" / "checkpoints").glob("*.ckpt"))}
+    rerun = subprocess.run([str(ROOT / "run.sh"), *job_args(longer_data)], cwd=cwd, env=job_env(WORKERS="2"),
+                           capture_output=True, text=True, timeout=600, check=False)
+    return cwd, first, rerun
+
+
+def test_killed_worker_ends_the_job_fast_and_run_sh_says_which(killed_then_resumed):
+    _, first, _ = killed_then_resumed
+    assert first["status"] != 0
+    assert first["failed_after"] < 60, first["failed_after"]
+    assert re.search(r"worker_1\.log, process \d+ was killed by SIGKILL", first["stderr"]), first["stderr"][-3000:]
+    assert first["checkpoints"] == ["epoch-0001.ckpt"]  # epoch 2 never finished
+
+
+def test_rerun_resumes_from_epoch_1_and_completes(killed_then_resumed):
+    cwd, _, rerun = killed_then_resumed
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    worker0 = (cwd / "out" / "logs" / "worker_0.log").read_text()
+    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0
+    assert "epoch 1/3 done" not in worker0  # epoch 1 was not trained again
+    summary = read_summary(cwd / "out")
+    assert summary["resumed_from_epoch"] == 1 and summary["replicas_identical"] is True
+    assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2, 3]
+    assert sorted(p.name for p in (cwd / "out" / "checkpoints").glob("*.ckpt")) == [
+        "epoch-0001.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt"]
+
+
+def test_resumed_job_continues_its_mlflow_run(killed_then_resumed):
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    cwd, _, _ = killed_then_resumed
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fashion-mnist-lenet").experiment_id])
+    assert [r.info.run_id for r in runs] == [read_summary(cwd / "out")["mlflow_run_id"]]
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2, 3]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(killed_then_resumed, longer_data):
+    cwd, _, _ = killed_then_resumed
+    newest = cwd / "out" / "checkpoints" / "epoch-0003.ckpt"
+    newest.chmod(0o600)
+    newest.write_bytes(newest.read_bytes()[:5000])  # as if the writer died half-way
+    result = subprocess.run([str(ROOT / "run.sh"), *job_args(longer_data, "--epochs", "4", "--tracking", "off")],
+                            cwd=cwd, env=job_env(WORKERS="2"), capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    worker0 = (cwd / "out" / "logs" / "worker_0.log").read_text()
+    assert "skipping checkpoint out/checkpoints/epoch-0003.ckpt" in worker0
+    assert "resuming from out/checkpoints/epoch-0002.ckpt: 2 of 4 epochs done" in worker0
+    summary = read_summary(cwd / "out")
+    assert summary["resumed_from_epoch"] == 2 and summary["replicas_identical"] is True
+    assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2, 3, 4]
+
+
+def test_exported_models_reproduce_the_jobs_accuracy(killed_then_resumed, longer_data):
+    cwd, _, _ = killed_then_resumed
+    summary = read_summary(cwd / "out")
+    for model in ("model.ckpt", "model.mindir"):
+        result = subprocess.run([sys.executable, str(ROOT / "main.py"), *job_args(longer_data),
+                                 "--predict", f"out/{model}"], cwd=cwd, env=job_env(), capture_output=True,
+                                text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        accuracy = float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
+        assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-4), model
+
+
+def test_resume_never_starts_fresh(tiny_data, tmp_path):
+    base = [sys.executable, str(ROOT / "main.py"), "--data-dir", str(tiny_data), "--checksums-file",
+            str(tiny_data / "CHECKSUMS"), "--data-mirrors", "", "--output-dir", "out", "--epochs", "1",
+            "--batch-size", "16", "--tracking", "off"]
+    for extra in ([], ["--resume", "never"]):
+        result = subprocess.run(base + extra, cwd=tmp_path, env=job_env(), capture_output=True, text=True,
+                                timeout=300, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "resuming" not in result.stderr
+        assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 0
+
+
+def test_predict_names_a_missing_model(tiny_data, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "main.py"), "--data-dir", str(tiny_data),
+                             "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
+                             "--predict", "missing.ckpt"], cwd=tmp_path, env=job_env(), capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "--predict missing.ckpt: no such file" in result.stderr
