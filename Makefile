@@ -1,19 +1,23 @@
 # Everyday commands; each does all the set-up it needs on a fresh machine (a venv in .venv, pinned packages).
 #   make run    train with ./run.sh: one worker per Ascend device, else 2 CPU workers (ARGS="--epochs 3")
 #   make test   the whole test suite, as CI runs it
+#   make bench  the benchmark on the real data (BENCH_ARGS="--epochs 2 --compare-workers 1")
 PYTHON ?= python3
 VENV ?= .venv
 CHECKOV_VENV ?= .venv-checkov
 BIN := $(abspath $(VENV))/bin
 SYSTEM_DATA := /usr/share/datasets/fashion-mnist
 
-.PHONY: run test system-data clean
+.PHONY: run test bench system-data clean
 
 run: $(VENV)/.runtime system-data
 	PATH="$(BIN):$$PATH" ./run.sh $(ARGS)
 
 test: $(VENV)/.dev
 	PATH="$(BIN):$$PATH" python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.runtime system-data
+	PATH="$(BIN):$$PATH" python bench/bench.py $(BENCH_ARGS)
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)

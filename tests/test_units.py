@@ -167,3 +167,27 @@ def test_weights_fingerprint_changes_with_any_weight():
     param = net.trainable_params()[-1]
     param.set_data(param + 1e-6)
     assert before.dtype == np.int32 and not np.array_equal(before, main.weights_fingerprint(net))
+
+
+def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
+    images, labels = np.arange(100).reshape(100, 1), np.arange(100)
+    shards = [main.ShardBatches(images, labels, 8, rank, 3, seed=7) for rank in range(3)]
+    assert [len(s) for s in shards] == [4, 4, 4]  # 100 // (8 * 3) whole batches per rank
+    first = [np.concatenate([y for _, y in shard]) for shard in shards]
+    seen = np.concatenate(first)
+    assert len(seen) == len(set(seen.tolist())) == 96  # no sample twice; the remainder is dropped
+    for shard in shards:
+        for x, y in shard:
+            np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
+    second = np.concatenate([y for _, y in shards[0]])
+    assert not np.array_equal(first[0], second)  # a new order every epoch
+    resumed = main.ShardBatches(images, labels, 8, 0, 3, seed=7, first_epoch=1)
+    np.testing.assert_array_equal(np.concatenate([y for _, y in resumed]), second)  # same order after resume
+
+
+def test_threads_per_worker_share_the_cores(monkeypatch):
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda _: set(range(8)))
+    assert main.threads_per_worker(0, 2, environ={}) == 4
+    assert main.threads_per_worker(0, 16, environ={"LOCAL_WORKERS": "8"}) == 1
+    assert main.threads_per_worker(0, 32, environ={}) == 1
+    assert main.threads_per_worker(3, 2, environ={}) == 3  # an explicit setting wins

@@ -1,0 +1,133 @@
+"""Benchmark the real job: run.sh (msrun) on the real data, with MLflow tracking to a real server on
+127.0.0.1 and, side by side in the same invocation, with tracking off; print one table, write JSON.
+
+    python bench/bench.py --data-dir ../shared/data/fashion-mnist                # 10 epochs, 2 workers
+    python bench/bench.py --data-dir DIR --epochs 2 --workers 2 --compare-workers 1
+
+Figures: wall time (launch to exit), time to first step, train samples/s per epoch and overall, evaluation
+time, peak memory per worker, test accuracy, and the cost of MLflow logging (tracked minus untracked wall
+time). --compare-workers adds runs with other worker counts for the same total work (same global batch).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+    parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("DATA_DIR", "data")),
+                        help="Fashion-MNIST IDX files [DATA_DIR; default: data]")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per run (default: 10)")
+    parser.add_argument("--workers", type=int, default=2, help="msrun workers (default: 2)")
+    parser.add_argument("--batch-size", type=int, default=64, help="batch size per worker (default: 64)")
+    parser.add_argument("--compare-workers", type=int, nargs="*", default=[],
+                        help="also run untracked with these worker counts, same global batch")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bench.json",
+                        help="where to write the results (default: bench/results/bench.json)")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "workers", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def free_port():
+    import socket  # pylint: disable=import-outside-toplevel
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_mlflow_server(directory):
+    port = free_port()
+    log = open(directory / "mlflow-server.log", "wb")  # pylint: disable=consider-using-with
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}", "--artifacts-destination",
+         str(directory / "artifacts"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return server, url
+        except OSError:
+            if server.poll() is not None:
+                break
+            time.sleep(0.5)
+    server.kill()
+    raise SystemExit(f"bench: mlflow server did not start; see {directory / 'mlflow-server.log'}")
+
+
+def run_job(name, workdir, args, workers, batch_size, env_extra):
+    """One real job through run.sh; returns its summary.json plus the launch-to-exit wall time."""
+    out = workdir / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update({"WORKERS": str(workers), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+                "MPLBACKEND": "Agg", **env_extra})
+    cmd = [str(ROOT / "run.sh"), "--data-dir", str(args.data_dir.resolve()), "--output-dir", str(out),
+           "--epochs", str(args.epochs), "--batch-size", str(batch_size), "--resume", "never"]
+    print(f"bench: {name}: {workers} worker(s), batch {batch_size} each, {args.epochs} epochs", flush=True)
+    started = time.perf_counter()
+    result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"bench: {name} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"name": name, "workers": workers, "batch_size": batch_size, "launch_wall_s": wall, **summary}
+
+
+def table(runs):
+    rows = [("run", "wall s", "first step s", "train samples/s", "per epoch", "eval s", "peak MB/worker",
+             "test acc")]
+    for run in runs:
+        per_epoch = " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epoch_history"])
+        rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['first_step_s']:.1f}",
+                     f"{run['train_samples_per_s']:,.0f}", per_epoch,
+                     f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}",
+                     f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        workdir = Path(tmp)
+        server, url = start_mlflow_server(workdir)
+        try:
+            tracked = run_job("tracked", workdir, args, args.workers, args.batch_size,
+                              {"MLFLOW_TRACKING_URI": url, "TRACKING": "on"})
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        untracked = run_job("untracked", workdir, args, args.workers, args.batch_size, {"TRACKING": "off"})
+        runs = [tracked, untracked]
+        global_batch = args.workers * args.batch_size
+        for workers in args.compare_workers:
+            runs.append(run_job(f"{workers}-worker", workdir, args, workers, global_batch // workers,
+                                {"TRACKING": "off"}))
+    overhead = (tracked["launch_wall_s"] - untracked["launch_wall_s"]) / untracked["launch_wall_s"]
+    print()
+    print(table(runs))
+    print(f"\nMLflow logging overhead: {overhead:+.1%} of wall time "
+          f"({tracked['launch_wall_s']:.1f} s tracked vs {untracked['launch_wall_s']:.1f} s untracked)")
+    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "runs": runs}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp_json = args.json.with_suffix(".part")
+    tmp_json.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp_json, args.json)
+    print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
