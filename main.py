@@ -922,6 +922,18 @@ class TrainingMonitor(Callback):
     _train_s = None
 
 
+def start_tracking(cfg, device, world_size, amp_level, resume_run_id):
+    """The job's MLflow run: every setting and what the job resolved them to, as parameters; tags to filter
+    runs by."""
+    params = {**dataclasses.asdict(cfg), "device": device, "world_size": world_size,
+              "global_batch_size": cfg.batch_size * world_size, "amp_level": amp_level,
+              "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
+    tags = {"device": device, "world_size": str(world_size), "job_version": JOB_VERSION}
+    if commit := git_commit():
+        tags["git_commit"] = commit
+    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id)
+
+
 def write_json(path, data):
     write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
@@ -1023,14 +1035,7 @@ def main(argv=None):
     if collective.is_main:
         save_sample_grid(train_images, train_labels, cfg.output_dir / "samples.png", cfg.seed)
         if cfg.tracking == "on":
-            params = {**dataclasses.asdict(cfg), "device": device, "world_size": world_size,
-                      "global_batch_size": cfg.batch_size * world_size, "amp_level": amp_level,
-                      "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
-            tags = {"device": device, "world_size": str(world_size), "job_version": JOB_VERSION}
-            if commit := git_commit():
-                tags["git_commit"] = commit
-            tracker = MlflowTracker(cfg.experiment, cfg.run_name, params, tags,
-                                    resume_run_id=resumed and resumed["mlflow_run_id"])
+            tracker = start_tracking(cfg, device, world_size, amp_level, resumed and resumed["mlflow_run_id"])
             tracker.log_artifact(cfg.output_dir / "samples.png")
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size, cfg.seed, start_epoch)
