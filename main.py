@@ -69,8 +69,9 @@ DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a w
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
 # MLflow retries a dead server for minutes by default; these bound one request to about half a minute.
-MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+# Its usage telemetry would be one more thread reaching for the internet from every training pod.
+MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
 MLFLOW_FINISH_TIMEOUT_S = 60
 GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -743,8 +744,8 @@ class MlflowTracker(NullTracker):
 
     def __init__(self, experiment, run_name, params, tags, resume_run_id=None,
                  finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
-        for name, value in MLFLOW_HTTP_DEFAULTS.items():
-            os.environ.setdefault(name, value)  # bound MLflow's own retries; a user's setting wins
+        for name, value in MLFLOW_DEFAULTS.items():
+            os.environ.setdefault(name, value)  # a user's setting wins
         self._finish_timeout = finish_timeout
         self._queue = queue.SimpleQueue()
         self._not_logged = collections.Counter()
