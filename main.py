@@ -860,6 +860,7 @@ class TrainingMonitor(Callback):
         self.loss_points = [tuple(p) for p in resumed["loss_points"]] if resumed else []
         self.confusion = None
         self._loss_sum, self._loss_steps = None, 0
+        self._train_s = None  # set when validation starts, so training time excludes it
 
     def on_train_epoch_begin(self, run_context):
         self._epoch_start = self._interval_start = time.perf_counter()
@@ -919,8 +920,6 @@ class TrainingMonitor(Callback):
             # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
             self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
                                       for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
-
-    _train_s = None
 
 
 def start_tracking(cfg, device, world_size, amp_level, resume_run_id):
