@@ -106,7 +106,8 @@ def test_per_epoch_figures_match_the_summary(tracked_run):
 def test_artifacts_are_on_the_run(tracked_run, tracked_job):
     client, run, _ = tracked_run
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert names == {"samples.png", "training_curves.png", "confusion_matrix.png", "model.ckpt", "summary.json"}
+    assert names == {"samples.png", "training_curves.png", "confusion_matrix.png", "model.ckpt", "model.mindir",
+                     "summary.json"}
     _, directory, _ = tracked_job
     local = client.download_artifacts(run.info.run_id, "summary.json", str(directory))
     assert read_summary(local.rsplit("/", 1)[0])["mlflow_run_id"] == run.info.run_id
