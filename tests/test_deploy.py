@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, job_env, read_summary, tiny_args
+from conftest import ROOT, job_env, read_summary, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernetes-validate come from PyPI
