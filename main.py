@@ -18,6 +18,7 @@ import argparse
 import collections
 import dataclasses
 import fcntl
+import functools
 import gzip
 import hashlib
 import io
@@ -359,28 +360,33 @@ def write_atomic(path, data):
 
 
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print):
-    """Make a verified copy of one IDX file exist in data_dir; return the list of failures on the way."""
+    """Make a verified copy of one IDX file exist in data_dir, from the first source that has one."""
+    data_dir = Path(data_dir)
     failures = []
     present = local_copy(data_dir, name)
     if present:
         try:
             check_file(present.read_bytes(), str(present), expected)
-            return failures
+            return  # another job sharing the data dir fetched it while this one waited for the lock
         except ValueError as exc:
             failures.append(str(exc))
             say(f"warning: {exc}; fetching it again")
-    candidates = [(str(d), lambda d=d: local_copy(d, name)) for d in system_dirs]
-    candidates += [(url, None) for url in mirrors]
-    for source, find in candidates:
+
+    def from_dir(directory):
+        path = local_copy(directory, name)
+        return (path.read_bytes(), data_dir / path.name) if path else None
+
+    def from_mirror(url):
+        return download(f"{url.rstrip('/')}/{name}.gz", timeout, say), data_dir / f"{name}.gz"
+
+    sources = [(str(d), functools.partial(from_dir, d)) for d in system_dirs]
+    sources += [(url, functools.partial(from_mirror, url)) for url in mirrors]
+    for source, get in sources:
         try:
-            if find is not None:
-                path = find()
-                if path is None:
-                    continue
-                raw, target = path.read_bytes(), Path(data_dir) / path.name
-            else:
-                url = f"{source.rstrip('/')}/{name}.gz"
-                raw, target = download(url, timeout, say), Path(data_dir) / f"{name}.gz"
+            got = get()
+            if got is None:
+                continue
+            raw, target = got
             check_file(raw, f"{name} from {source}", expected)
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
@@ -389,7 +395,7 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
             present.unlink()  # the bad copy would shadow or confuse the good one
         write_atomic(target, raw)
         say(f"{name}: verified copy from {source}")
-        return failures
+        return
     raise UsageError(
         f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
         f"{', '.join(map(str, [data_dir, *system_dirs, *mirrors]))}. Provide the data with --data-dir "

@@ -64,6 +64,12 @@ describe_exit() {
   esac
 }
 
+show_tail() {
+  # The end of a worker log, without MindSpore's own INFO and WARNING lines.
+  echo "run.sh: $1" >&2
+  grep -vE '^\[(WARNING|INFO)\]' "$2" | tail -n 15 | sed 's/^/    /' >&2
+}
+
 report_failure() {
   # msrun itself only says "check logs": name the worker that failed, say how, and show why.
   local status=$1 log_dir=$2 pid code log found=0
@@ -73,16 +79,14 @@ report_failure() {
     echo "run.sh: ${log:+${log##*/}, }process $pid $(describe_exit "$code")" >&2
     if [[ -n "$log" ]]; then
       found=1
-      echo "run.sh: the last lines of ${log##*/}:" >&2
-      grep -vE '^\[(WARNING|INFO)\]' "$log" | tail -n 15 | sed 's/^/    /' >&2
+      show_tail "the last lines of ${log##*/}:" "$log"
     fi
   done < <(sed -n 's/.*Worker process \([0-9]*\) exit with exception\. Error code: \(-\{0,1\}[0-9]*\)\..*/\1 \2/p' \
              "$log_dir/msrun.log")
   if ((!found)); then
     for log in "$log_dir"/worker_*.log; do
       grep -qE 'Traceback|ERROR' "$log" 2>/dev/null || continue
-      echo "run.sh: ${log##*/} reports an error; its last lines:" >&2
-      grep -vE '^\[(WARNING|INFO)\]' "$log" | tail -n 15 | sed 's/^/    /' >&2
+      show_tail "${log##*/} reports an error; its last lines:" "$log"
     done
   fi
   echo "run.sh: all logs are in $log_dir" >&2

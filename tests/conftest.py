@@ -96,6 +96,12 @@ def run_msrun(cwd, args, workers=2, timeout=300, env=None):
     return result
 
 
+def run_main(cwd, args, env=None, timeout=300):
+    """The job as one process, without msrun."""
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env or job_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def read_summary(output_dir):
     return json.loads((Path(output_dir) / "summary.json").read_text())
 

@@ -2,12 +2,11 @@
 
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import ROOT, job_env, read_summary, write_dataset
+from conftest import ROOT, job_env, read_summary, run_main, write_dataset
 
 pytestmark = pytest.mark.timeout(900)
 EPOCHS = 3
@@ -115,29 +114,23 @@ def test_exported_models_reproduce_the_jobs_accuracy(killed_then_resumed, longer
     cwd, _, _ = killed_then_resumed
     summary = read_summary(cwd / "out")
     for model in ("model.ckpt", "model.mindir"):
-        result = subprocess.run([sys.executable, str(ROOT / "main.py"), *job_args(longer_data),
-                                 "--predict", f"out/{model}"], cwd=cwd, env=job_env(), capture_output=True,
-                                text=True, timeout=300, check=False)
+        result = run_main(cwd, [*job_args(longer_data), "--predict", f"out/{model}"])
         assert result.returncode == 0, result.stderr[-3000:]
         accuracy = float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
         assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-4), model
 
 
 def test_resume_never_starts_fresh(tiny_data, tmp_path):
-    base = [sys.executable, str(ROOT / "main.py"), "--data-dir", str(tiny_data), "--checksums-file",
-            str(tiny_data / "CHECKSUMS"), "--data-mirrors", "", "--output-dir", "out", "--epochs", "1",
-            "--batch-size", "16", "--tracking", "off"]
+    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--epochs", "1", "--batch-size", "16", "--tracking", "off"]
     for extra in ([], ["--resume", "never"]):
-        result = subprocess.run(base + extra, cwd=tmp_path, env=job_env(), capture_output=True, text=True,
-                                timeout=300, check=False)
+        result = run_main(tmp_path, base + extra)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "resuming" not in result.stderr
         assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 0
 
 
 def test_predict_names_a_missing_model(tiny_data, tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "main.py"), "--data-dir", str(tiny_data),
-                             "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
-                             "--predict", "missing.ckpt"], cwd=tmp_path, env=job_env(), capture_output=True,
-                            text=True, timeout=300, check=False)
+    result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                                 "--data-mirrors", "", "--predict", "missing.ckpt"])
     assert result.returncode == 2 and "--predict missing.ckpt: no such file" in result.stderr

@@ -1,12 +1,10 @@
 """The real job end to end: msrun with 2 CPU workers, and a lone process, on tiny generated data."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, job_env, read_summary, run_msrun, serve, tiny_args
+from conftest import read_summary, run_main, run_msrun, serve, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,9 +71,7 @@ def test_mlflow_embedded_store_holds_one_run_for_the_job(two_worker_run):
 
 
 def test_single_process_without_msrun(tiny_data, tmp_path):
-    cmd = [sys.executable, str(ROOT / "main.py"), *tiny_args(tiny_data, tmp_path / "out", "--tracking", "off")]
-    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(tmp_path / "out")
     assert summary["world_size"] == 1 and summary["replicas_identical"] is True
@@ -84,9 +80,6 @@ def test_single_process_without_msrun(tiny_data, tmp_path):
 
 def test_learns_the_tiny_task(tiny_data, tmp_path):
     """Ten short epochs on data whose class is a bright band: far above the 0.1 of guessing."""
-    cmd = [sys.executable, str(ROOT / "main.py"),
-           *tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "10")]
-    result = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "10"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["test_accuracy"] >= 0.5

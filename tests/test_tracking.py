@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 import main
-from conftest import ROOT, free_port, job_env, read_summary, run_msrun, tiny_args
+from conftest import ROOT, free_port, job_env, read_summary, run_main, run_msrun, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 EPOCHS = 2
@@ -116,9 +116,7 @@ def test_artifacts_are_on_the_run(tracked_run, tracked_job):
 def test_dead_server_at_start_costs_seconds_not_minutes(tiny_data, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    result = subprocess.run([sys.executable, str(ROOT / "main.py"), *tiny_args(tiny_data, tmp_path / "out")],
-                            cwd=tmp_path, env=job_env(MLFLOW_TRACKING_URI=dead), capture_output=True, text=True,
-                            timeout=300, check=False)
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"), env=job_env(MLFLOW_TRACKING_URI=dead))
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MLflow: tracking is off for the rest of the job" in result.stderr
