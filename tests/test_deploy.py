@@ -92,9 +92,11 @@ def test_run_sh_trains_from_another_directory(tiny_data, tmp_path, workers):
     assert (tmp_path / "out" / "logs" / f"worker_{workers - 1}.log").is_file()
 
 
-def test_run_sh_failure_names_the_worker_and_shows_its_log(tmp_path):
+def test_run_sh_failure_names_the_worker_and_shows_its_log(tiny_data, tmp_path):
     (tmp_path / "empty").mkdir()
-    args = ["--data-dir", "empty", "--data-mirrors", "", "--output-dir", "out", "--tracking", "off"]
+    # The tiny dataset's checksums: a system copy of the real data, where installed, cannot serve them either.
+    args = ["--data-dir", "empty", "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--tracking", "off"]
     result = run_sh(tmp_path, args, WORKERS="2")
     assert result.returncode == 1  # msrun's status
     assert "the job failed (msrun exit status 1)" in result.stderr
