@@ -1,8 +1,11 @@
-# The training job's image. Default: Ascend NPUs, on the CANN image whose CANN release MindSpore 2.10
-# supports (8.2 to 9.1) with Python 3.11. The same file builds a CPU image from a plain Python base:
-#   docker build -t fashion-mnist-mindspore:1.0.0 .
+# The training job's image. Default: Ascend 910B NPUs, on the CANN image whose CANN release MindSpore 2.10
+# supports (8.2 to 9.1) with Python 3.11. CANN_CHIP picks CANN's image for another chip; the same file builds a
+# CPU image from a plain Python base:
+#   docker build -t fashion-mnist-mindspore:1.0.0 .                                      # Ascend 910B
+#   docker build --build-arg CANN_CHIP=310p -t fashion-mnist-mindspore:1.0.0-310p .      # Ascend 310P (the article's)
 #   docker build --build-arg BASE_IMAGE=python:3.11.14-slim-bookworm -t fashion-mnist-mindspore:1.0.0-cpu .
-ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-910b-ubuntu22.04-py3.11
+ARG CANN_CHIP=910b
+ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-${CANN_CHIP}-ubuntu22.04-py3.11
 FROM ${BASE_IMAGE}
 
 # 1 bakes Fashion-MNIST into the image (Debian/Ubuntu package dataset-fashion-mnist) so pods need no

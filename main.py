@@ -8,7 +8,8 @@ Run it (Ascend NPUs with HCCL when present, MindSpore's own CPU collective other
 
 Every setting is a flag and an environment variable (`python main.py --help`); the ones that matter:
 --epochs (10), --batch-size per device (64), --lr (0.1), --optimizer (sgd), --amp (auto: O2 on Ascend,
-O0 on CPU), --data-dir (./data), --output-dir (./outputs).
+O0 on CPU), --loss-scale (auto: dynamic for O2 on Ascend, none elsewhere), --data-dir (./data),
+--output-dir (./outputs).
 
 Expect, with the defaults and two CPU workers: 10 epochs, test accuracy about 0.87-0.89 on the full test
 set, identical weights on every replica, and `outputs/summary.json` holding those figures.
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import platform
 import queue
 import resource
 import socket
@@ -77,6 +79,11 @@ MLFLOW_FINISH_TIMEOUT_S = 60
 GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
 OPTIMIZERS = ("sgd", "momentum", "adam")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
+# oneDNN 3.10 picks its jit_uni_ncsp convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs: 183 ms
+# per batch-64 step against 21 ms with its AVX2 kernels (README, "Performance"). A user's own cap wins.
+ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ONEDNN_ISA_DEFAULT = "AVX2"
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
 DEVICES = ("auto", "Ascend", "CPU")
 
 
@@ -107,6 +114,8 @@ def build_parser():
     add("--momentum", float, 0.9, "momentum, for --optimizer momentum")
     add("--weight-decay", float, 0.0, "L2 weight decay")
     add("--amp", str, "auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS)
+    add("--loss-scale", str, "auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed scale; "
+                                     "auto is dynamic for O2 on Ascend and none otherwise, as in the article")
     add("--device", str, "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
     add("--seed", int, 42, "random seed; the same on every rank so all replicas start identical")
     add("--data-dir", Path, "data", "where Fashion-MNIST is, or is put")
@@ -124,8 +133,10 @@ def build_parser():
     add("--run-name", str, "", "MLflow run name (default: MLflow picks one)")
     add("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"))
     add("--log-interval", int, 100, "steps between progress lines and training-loss points")
-    add("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: this machine's "
-                             "cores divided among its workers (LOCAL_WORKERS, else the world size)")
+    add("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of "
+                             "the worker's share of this machine (see --cpu-bind)")
+    add("--cpu-bind", str, "on", "on: bind each CPU worker to its own share of this machine's cores, divided "
+                                 "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"))
     return parser
 
 
@@ -138,6 +149,7 @@ class Config:
     momentum: float
     weight_decay: float
     amp: str
+    loss_scale: str
     device: str
     seed: int
     data_dir: Path
@@ -153,6 +165,7 @@ class Config:
     tracking: str
     log_interval: int
     threads: int
+    cpu_bind: str
 
     @property
     def mirrors(self):
@@ -173,7 +186,16 @@ def parse_config(argv=None):
         raise UsageError(f"--threads must be >= 0, got {cfg.threads}")
     if cfg.weight_decay < 0:
         raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if cfg.loss_scale not in ("auto", "none", "dynamic") and not positive_number(cfg.loss_scale):
+        raise UsageError(f"--loss-scale must be auto, none, dynamic or a positive number, got {cfg.loss_scale!r}")
     return cfg
+
+
+def positive_number(text):
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def resolve_device(requested):
@@ -189,13 +211,64 @@ def resolve_device(requested):
         quiet.setLevel(level)
 
 
-def threads_per_worker(requested, world_size, environ=os.environ):
-    """Threads for one worker: MindSpore's CPU kernels default to 25 whatever the machine, and several
-    workers on one machine then fight over its cores; give each its share instead."""
-    if requested:
-        return requested
-    local_workers = int(environ.get("LOCAL_WORKERS") or world_size)
-    return max(1, len(os.sched_getaffinity(0)) // local_workers)
+def usable_cores(cgroup_cpu_max="/sys/fs/cgroup/cpu.max"):
+    """The cores this process may use: its affinity, cut to its cgroup's CPU quota (a Kubernetes CPU limit
+    leaves every core of the node in the affinity mask but only the quota's worth of time)."""
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        quota, period = Path(cgroup_cpu_max).read_text().split()
+        return cores[:max(1, math.ceil(int(quota) / int(period)))]
+    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
+        return cores
+
+
+def worker_cores(cores, local_rank, local_workers):
+    """This worker's share of `cores`: disjoint blocks, one per worker of this machine, or one core each in
+    turn when there are more workers than cores."""
+    if len(cores) < local_workers:
+        return [cores[local_rank % len(cores)]]
+    share = len(cores) // local_workers
+    return cores[local_rank * share:(local_rank + 1) * share]
+
+
+def bind_to_cores(cores):
+    """Bind every thread of this process, and so every thread it starts later, to `cores`.
+
+    MindSpore's runtime and kernel threads spin in sched_yield while they wait; unbound, two workers' spinning
+    threads take turns with each other's kernels and two workers on two cores train barely faster than one.
+    Bound, each worker's threads yield only to each other.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def cap_onednn_isa(environ=os.environ, machine=None):
+    """The instruction-set cap oneDNN will use: the user's ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA, else AVX2 on
+    x86-64 (set here, in this process: oneDNN reads it once, at MindSpore's first CPU kernel). None elsewhere."""
+    for name in ONEDNN_ISA_VARS:
+        if environ.get(name):
+            return environ[name]
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
+        return None
+    environ["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_DEFAULT
+    return ONEDNN_ISA_DEFAULT
+
+
+def cpu_description(cpuinfo="/proc/cpuinfo"):
+    """{"model": ..., "flags": [...]}: the CPU model and the ISA flags that decide oneDNN's kernels, so
+    figures from different hosts can be compared."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "flags": []}
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", platform.machine()),
+            "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
 
 
 def resolve_amp(amp, device):
@@ -203,6 +276,30 @@ def resolve_amp(amp, device):
     if amp != "auto":
         return amp
     return "O2" if device == "Ascend" else "O0"
+
+
+def resolve_loss_scale(loss_scale, amp_level, device):
+    """The loss scaling the job uses: "none", "dynamic", or "fixed:<scale>".
+
+    auto follows MindSpore's own defaults per level (dynamic for O2) on Ascend. On CPU MindSpore refuses
+    dynamic scaling, so auto is none there, which is what the article does with O2.
+    """
+    if loss_scale == "auto":
+        return "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
+    if loss_scale == "dynamic" and device == "CPU":
+        raise UsageError("--loss-scale dynamic: MindSpore supports no dynamic loss scaling on CPU; use "
+                         "--loss-scale none or a fixed scale such as --loss-scale 1024")
+    return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
+
+
+def loss_scale_manager(mode):
+    """MindSpore's manager for a resolve_loss_scale() mode; None means no scaling."""
+    if mode == "none":
+        return None
+    if mode == "dynamic":
+        return ms.amp.DynamicLossScaleManager()
+    # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
+    return ms.amp.FixedLossScaleManager(float(mode.partition(":")[2]), drop_overflow_update=False)
 
 
 # --- distributed helpers
@@ -569,26 +666,29 @@ def save_confusion_matrix(matrix, path):
 
 
 class LeNet(nn.Cell):
-    """The modern LeNet-5: ReLU and max-pooling, 6 and 16 conv channels, 120-84-10 dense layers."""
+    """The article's LeNet: two 5x5 `valid` convolutions (6 and 16 channels) each with ReLU and 2x2 max-pooling,
+    28 -> 24 -> 12 -> 8 -> 4, then dense 256-120-84-10; 44,426 parameters."""
 
     def __init__(self, num_classes=len(CLASS_NAMES)):
         super().__init__()
         self.features = nn.SequentialCell(
-            nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2, has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2),
+            nn.Conv2d(1, 6, 5, pad_mode="valid", has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2),
             nn.Conv2d(6, 16, 5, pad_mode="valid", has_bias=True), nn.ReLU(), nn.MaxPool2d(2, 2))
         self.classifier = nn.SequentialCell(
-            nn.Flatten(), nn.Dense(16 * 5 * 5, 120), nn.ReLU(), nn.Dense(120, 84), nn.ReLU(),
+            nn.Flatten(), nn.Dense(16 * 4 * 4, 120), nn.ReLU(), nn.Dense(120, 84), nn.ReLU(),
             nn.Dense(84, num_classes))
 
     def construct(self, x):
         return self.classifier(self.features(x))
 
 
-def make_optimizer(cfg, params):
+def make_optimizer(cfg, params, loss_scale_mode):
+    # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
+    scale = float(loss_scale_mode.partition(":")[2]) if loss_scale_mode.startswith("fixed:") else 1.0
     if cfg.optimizer == "adam":
-        return nn.Adam(params, learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+        return nn.Adam(params, learning_rate=cfg.lr, weight_decay=cfg.weight_decay, loss_scale=scale)
     momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
-    return nn.SGD(params, learning_rate=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
+    return nn.SGD(params, learning_rate=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay, loss_scale=scale)
 
 
 def weights_fingerprint(net):
@@ -866,6 +966,8 @@ class TrainingMonitor(Callback):
         self.loss_points = [tuple(p) for p in resumed["loss_points"]] if resumed else []
         self.confusion = None
         self._loss_sum, self._loss_steps = None, 0
+        # Under dynamic loss scaling: steps skipped for overflowed gradients, and the current scale.
+        self._overflows, self._loss_scale, self.skipped_steps = None, None, 0
         self._train_s = None  # set when validation starts, so training time excludes it
 
     def on_train_epoch_begin(self, run_context):
@@ -874,9 +976,13 @@ class TrainingMonitor(Callback):
 
     def on_train_step_end(self, run_context):
         cb = run_context.original_args()
-        loss = cb.net_outputs[0] if isinstance(cb.net_outputs, (tuple, list)) else cb.net_outputs
+        outputs = cb.net_outputs if isinstance(cb.net_outputs, (tuple, list)) else (cb.net_outputs,)
         # Summing on the device keeps the host from waiting on each step; it is read once per interval.
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._loss_sum = outputs[0] if self._loss_sum is None else self._loss_sum + outputs[0]
+        if len(outputs) == 3:  # dynamic loss scaling's cell returns (loss, overflowed, scale)
+            overflowed = ops.cast(outputs[1], ms.int32)
+            self._overflows = overflowed if self._overflows is None else self._overflows + overflowed
+            self._loss_scale = outputs[2]
         self._loss_steps += 1
         self._epoch_steps += 1
         self._interval_steps += 1
@@ -899,6 +1005,10 @@ class TrainingMonitor(Callback):
                      self._epoch_steps, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
+            if self._loss_scale is not None:
+                self.skipped_steps += int(self._overflows.asnumpy())
+                metrics.update({"loss_scale": float(self._loss_scale.asnumpy()), "skipped_steps": self.skipped_steps})
+                self._overflows = None
             self.tracker.log_metrics(metrics, step=step)
             self.loss_points.append((step / cb.batch_num, float(per_rank.mean())))
 
@@ -928,13 +1038,12 @@ class TrainingMonitor(Callback):
                                       for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
 
 
-def start_tracking(cfg, device, world_size, amp_level, resume_run_id):
-    """The job's MLflow run: every setting and what the job resolved them to, as parameters; tags to filter
-    runs by."""
-    params = {**dataclasses.asdict(cfg), "device": device, "world_size": world_size,
-              "global_batch_size": cfg.batch_size * world_size, "amp_level": amp_level,
+def start_tracking(cfg, resolved, resume_run_id):
+    """The job's MLflow run: every setting and what the job resolved them to (device, world size, amp level,
+    loss scaling, ...), as parameters; tags to filter runs by."""
+    params = {**dataclasses.asdict(cfg), **resolved, "global_batch_size": cfg.batch_size * resolved["world_size"],
               "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
-    tags = {"device": device, "world_size": str(world_size), "job_version": JOB_VERSION}
+    tags = {"device": resolved["device"], "world_size": str(resolved["world_size"]), "job_version": JOB_VERSION}
     if commit := git_commit():
         tags["git_commit"] = commit
     return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id)
@@ -990,20 +1099,31 @@ def main(argv=None):
         return EXIT_USAGE
     device = resolve_device(cfg.device)
     amp_level = resolve_amp(cfg.amp, device)
+    try:
+        loss_scale = resolve_loss_scale(cfg.loss_scale, amp_level, device)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    isa_cap = cap_onednn_isa() if device == "CPU" else None
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device)
 
     rank, local_rank, world_size = init_distributed()
     collective = Collective(rank, local_rank, world_size)
     configure_logging(rank)
-    threads = threads_per_worker(cfg.threads, world_size)
+    cores = worker_cores(usable_cores(), local_rank, int(os.environ.get("LOCAL_WORKERS") or world_size))
+    if device == "CPU" and cfg.cpu_bind == "on":
+        bind_to_cores(cores)  # before MindSpore starts its thread pools, which inherit the binding
+    threads = cfg.threads or len(cores)
     if device == "CPU":
         ms.device_context.cpu.op_tuning.threads_num(threads)
     ms.dataset.config.set_num_parallel_workers(threads)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
-    log.info("rank %d of %d (pid %d), device %s, amp %s, %d threads, settings %s", rank, world_size, os.getpid(),
-             device, amp_level, threads, json.dumps(dataclasses.asdict(cfg), default=str))
+    log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "
+             "settings %s", rank, world_size, os.getpid(), device, amp_level, loss_scale, threads,
+             sorted(os.sched_getaffinity(0)), isa_cap,
+             json.dumps(dataclasses.asdict(cfg), default=str))
 
     try:
         if collective.is_main:
@@ -1025,7 +1145,8 @@ def main(argv=None):
         return predict(cfg.predict, metrics, test_ds, collective)
 
     net = LeNet()
-    model = Model(net, loss_fn, make_optimizer(cfg, net.trainable_params()), amp_level=amp_level, metrics=metrics)
+    model = Model(net, loss_fn, make_optimizer(cfg, net.trainable_params(), loss_scale), amp_level=amp_level, metrics=metrics,
+                  loss_scale_manager=loss_scale_manager(loss_scale))
     checkpoints = cfg.output_dir / "checkpoints"
     resumed = load_latest_checkpoint(checkpoints, model.train_network) if cfg.resume == "auto" else None
     start_epoch = resumed["epoch"] if resumed else 0
@@ -1041,7 +1162,10 @@ def main(argv=None):
     if collective.is_main:
         save_sample_grid(train_images, train_labels, cfg.output_dir / "samples.png", cfg.seed)
         if cfg.tracking == "on":
-            tracker = start_tracking(cfg, device, world_size, amp_level, resumed and resumed["mlflow_run_id"])
+            tracker = start_tracking(cfg, {"device": device, "world_size": world_size, "amp_level": amp_level,
+                                           "loss_scaling": loss_scale, "onednn_isa_cap": isa_cap,
+                                           "cpu_model": cpu_description()["model"]},
+                                     resumed and resumed["mlflow_run_id"])
             tracker.log_artifact(cfg.output_dir / "samples.png")
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size, cfg.seed, start_epoch)
@@ -1060,18 +1184,23 @@ def main(argv=None):
     fingerprints = collective.all_gather(weights_fingerprint(net))
     replicas_identical = bool((fingerprints == fingerprints[0]).all())
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    # What the convolutions really compute in: float16 under O2 and O3 (O1 casts back after each layer).
+    features_dtype = str(net.features(Tensor(to_model_input(test_images[:2]))).dtype)
     if not collective.is_main:
         return 0 if replicas_identical else 1
 
     history = monitor.epoch_history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {
-        "device": device, "world_size": world_size, "amp_level": amp_level, "epochs": cfg.epochs,
+        "device": device, "world_size": world_size, "amp_level": amp_level, "loss_scaling": loss_scale,
+        "features_dtype": features_dtype, "cpu": {**cpu_description(), "onednn_isa_cap": isa_cap,
+                                                  "threads_per_worker": threads}, "epochs": cfg.epochs,
         "global_batch_size": cfg.batch_size * world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": monitor.first_step_s, "fit_s": fit_s, "wall_s": time.perf_counter() - started,
         "replicas_identical": replicas_identical, "mlflow_run_id": tracker.run_id,
+        "skipped_steps": monitor.skipped_steps,
         "resumed_from_epoch": start_epoch, "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
         "epoch_history": history,
     }

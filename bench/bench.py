@@ -2,16 +2,21 @@
 127.0.0.1 and, side by side in the same invocation, with tracking off; print one table, write JSON.
 
     python bench/bench.py --data-dir ../shared/data/fashion-mnist                # 10 epochs, 2 workers
-    python bench/bench.py --data-dir DIR --epochs 2 --workers 2 --compare-workers 1
+    python bench/bench.py --data-dir DIR --epochs 2 --workers 2 --compare-workers 1 --scaling
+    python bench/bench.py --data-dir DIR --cpu-isa ALL      # without the job's default oneDNN cap (AVX2)
 
 Figures: wall time (launch to exit), time to first step, train samples/s per epoch and overall, evaluation
-time, peak memory per worker, test accuracy, and the cost of MLflow logging (tracked minus untracked wall
-time). --compare-workers adds runs with other worker counts for the same total work (same global batch).
+time, peak memory per worker, CPU-seconds per 1,000 training samples (the whole job's CPU time, every
+process), test accuracy, and the cost of MLflow logging (tracked minus untracked wall time), with the CPU
+model, its ISA flags and the oneDNN ISA cap, so figures from different hosts compare. --compare-workers adds
+runs with other worker counts for the same total work (same global batch); --scaling adds one worker at the
+same per-worker batch and prints how many times its throughput the workers reach.
 """
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -33,6 +38,11 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=64, help="batch size per worker (default: 64)")
     parser.add_argument("--compare-workers", type=int, nargs="*", default=[],
                         help="also run untracked with these worker counts, same global batch")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also run 1 worker at the same per-worker batch and report the speed-up")
+    parser.add_argument("--cpu-isa", default=os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                        help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or ALL "
+                             "for none; default: the job's own (AVX2 on x86-64)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bench.json",
                         help="where to write the results (default: bench/results/bench.json)")
     args = parser.parse_args(argv)
@@ -94,26 +104,36 @@ def run_job(name, workdir, args, workers, batch_size, env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update({"WORKERS": str(workers), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
                 "MPLBACKEND": "Agg", **env_extra})
+    if args.cpu_isa:
+        env["ONEDNN_MAX_CPU_ISA"] = args.cpu_isa
     cmd = [str(ROOT / "run.sh"), "--data-dir", str(args.data_dir.resolve()), "--output-dir", str(out),
            "--epochs", str(args.epochs), "--batch-size", str(batch_size), "--resume", "never"]
     print(f"bench: {name}: {workers} worker(s), batch {batch_size} each, {args.epochs} epochs", flush=True)
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), children_cpu_s()
     result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, children_cpu_s() - cpu_before
     if result.returncode != 0:
         raise SystemExit(f"bench: {name} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"name": name, "workers": workers, "batch_size": batch_size, "launch_wall_s": wall, **summary}
+    trained = sum(e["train_samples_per_s"] * e["train_s"] for e in summary["epoch_history"])
+    return {"name": name, "workers": workers, "batch_size": batch_size, "launch_wall_s": wall, "cpu_s": cpu,
+            "cpu_s_per_1000_samples": cpu / trained * 1000, **summary}
+
+
+def children_cpu_s():
+    """User and system CPU time of every finished descendant: run.sh, msrun, its scheduler and workers."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def table(runs):
-    rows = [("run", "wall s", "first step s", "train samples/s", "per epoch", "eval s", "peak MB/worker",
-             "test acc")]
+    rows = [("run", "wall s", "first step s", "train samples/s", "per epoch", "eval s", "CPU s/1k samples",
+             "peak MB/worker", "test acc")]
     for run in runs:
         per_epoch = " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epoch_history"])
         rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['first_step_s']:.1f}",
                      f"{run['train_samples_per_s']:,.0f}", per_epoch,
-                     f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}",
+                     f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}", f"{run['cpu_s_per_1000_samples']:.3f}",
                      f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
@@ -139,13 +159,23 @@ def main(argv=None):
         for workers in args.compare_workers:
             runs.append(run_job(f"{workers}-worker", workdir, args, workers, global_batch // workers,
                                 {"TRACKING": "off"}))
+        if args.scaling:
+            single = run_job("1-worker-same-batch", workdir, args, 1, args.batch_size, {"TRACKING": "off"})
+            runs.append(single)
+    cpu = untracked["cpu"]
+    print(f"\nhost: {cpu['model']}, {os.cpu_count()} cores, ISA flags {' '.join(cpu['flags']) or '-'}, "
+          f"oneDNN ISA cap {cpu['onednn_isa_cap'] or 'none'}, {cpu['threads_per_worker']} thread(s) per worker")
     overhead = (tracked["launch_wall_s"] - untracked["launch_wall_s"]) / untracked["launch_wall_s"]
     print()
     print(table(runs))
     print(f"\nMLflow logging overhead: {overhead:+.1%} of wall time "
           f"({tracked['launch_wall_s']:.1f} s tracked vs {untracked['launch_wall_s']:.1f} s untracked); "
           f"the tracking server used {tracked['server_cpu_s']:.1f} CPU-s of this machine meanwhile")
-    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "runs": runs}
+    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs}
+    if args.scaling:
+        results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]
+        print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "
+              f"(batch {args.batch_size} per worker in both)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     tmp_json = args.json.with_suffix(".part")
     tmp_json.write_text(json.dumps(results, indent=2) + "\n")

@@ -3,11 +3,13 @@
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, job_env, read_summary, tiny_args
 
@@ -55,6 +57,44 @@ def test_manifest_passes_checkov_with_justified_skips(manifest):
     for skip in skips:  # CKV_K8S_n=reason: every skip says why
         check, _, reason = skip.partition("=")
         assert re.fullmatch(r"CKV2?_K8S_\d+", check) and len(reason) > 10, skip
+
+
+@pytest.fixture(scope="module")
+def ascend_310p_manifest(tmp_path_factory):
+    """The 310P overlay rendered by kubectl's own kustomize, as `kubectl apply` would see it."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render overlays/ascend-310p (Debian: apt-get install kubernetes-client)"
+    result = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                             "overlays/ascend-310p"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    path = tmp_path_factory.mktemp("kustomize") / "ascend-310p.yaml"
+    path.write_text(result.stdout)
+    return path
+
+
+def test_ascend_310p_overlay_requests_310p_devices_and_its_image(ascend_310p_manifest):
+    job = next(doc for doc in yaml.safe_load_all(ascend_310p_manifest.read_text()) if doc["kind"] == "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"].endswith(":1.0.0-310p")
+    for bound in ("requests", "limits"):
+        npus = {k: v for k, v in container["resources"][bound].items() if k.startswith("huawei.com/")}
+        assert npus == {"huawei.com/Ascend310P": 2}, bound
+
+
+def test_ascend_310p_overlay_is_valid_and_passes_checkov(ascend_310p_manifest):
+    result = tool("kubernetes-validate", "--strict", str(ascend_310p_manifest))
+    assert result.returncode == 0 and "passed for resource job/" in result.stdout + result.stderr, result.stdout
+    checkov = Path(os.environ.get("CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov"))
+    result = subprocess.run([str(checkov), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
+                             "-f", str(ascend_310p_manifest)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_builds_on_cann_for_910b_by_default_and_310p_on_request():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG CANN_CHIP=910b\n" in dockerfile
+    assert "ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-${CANN_CHIP}-ubuntu22.04-py3.11\n" in dockerfile
+    assert "--build-arg CANN_CHIP=310p" in dockerfile and "--build-arg CANN_CHIP=310p" in (ROOT / "README.md").read_text()
 
 
 def test_dockerfile_installs_the_tested_requirements():
@@ -129,3 +169,11 @@ def test_run_sh_maps_an_indexed_job_pod_onto_msrun(tmp_path):
         assert flag in command, (flag, command)
     assert command[-3:] == [str(ROOT / "main.py"), "--epochs", "3"]
     assert not (tmp_path / "outputs").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("variable", ["ASCEND_RT_VISIBLE_DEVICES", "ASCEND_VISIBLE_DEVICES"])
+def test_run_sh_starts_one_worker_per_visible_npu(tmp_path, variable):
+    """910B and 310P alike: the device plugin (or the user) names the visible NPUs, one worker each."""
+    result = run_sh(tmp_path, [], timeout=30, DRY_RUN="1", **{variable: "0,1,2"})
+    assert result.returncode == 0, result.stderr
+    assert "--local_worker_num=3" in shlex.split(result.stdout)

@@ -1,10 +1,11 @@
 """The real job end to end: msrun with 2 CPU workers, and a lone process, on tiny generated data."""
 
 import math
+import re
 
 import pytest
 
-from conftest import read_summary, run_main, run_msrun, serve, tiny_args
+from conftest import job_env, read_summary, run_main, run_msrun, serve, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,7 +19,8 @@ def two_worker_run(tiny_data, tmp_path_factory):
     with serve(files) as mirror:
         args = tiny_args(cwd / "data", cwd / "out", "--checksums-file", str(tiny_data / "CHECKSUMS"),
                          "--data-mirrors", f"{mirror.url}/good", "--run-name", "e2e")
-        result = run_msrun(cwd, args)
+        # oneDNN prints the instruction set it dispatches to: the proof that the job's default cap took effect.
+        result = run_msrun(cwd, args, env=job_env(ONEDNN_VERBOSE="profile_create"))
     return cwd, result, mirror
 
 
@@ -83,3 +85,52 @@ def test_learns_the_tiny_task(tiny_data, tmp_path):
     result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "10"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["test_accuracy"] >= 0.5
+
+
+def test_workers_have_the_onednn_isa_cap_and_disjoint_cores(two_worker_run):
+    cwd, result, _ = two_worker_run
+    assert result.returncode == 0, result.logs
+    cores = []
+    for rank in (0, 1):
+        log = result.logs[f"worker_{rank}.log"]
+        assert "onednn_verbose,v1,info,cpu,isa:Intel AVX2" in log, log[-3000:]
+        assert "oneDNN ISA cap AVX2" in log
+        cores.append(set(map(int, re.search(r"threads on cores \[([\d, ]+)\]", log).group(1).split(","))))
+    assert cores[0] and cores[1] and not cores[0] & cores[1], cores
+    summary = read_summary(cwd / "out")
+    assert summary["cpu"]["onednn_isa_cap"] == "AVX2" and summary["cpu"]["model"]
+    assert (summary["amp_level"], summary["loss_scaling"], summary["features_dtype"]) == ("O0", "none", "Float32")
+
+
+def test_a_users_isa_cap_wins(tiny_data, tmp_path):
+    env = job_env(ONEDNN_MAX_CPU_ISA="SSE41", ONEDNN_VERBOSE="profile_create")
+    result = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"), env=env)
+    assert result.returncode == 0, result.logs
+    for rank in (0, 1):
+        assert "onednn_verbose,v1,info,cpu,isa:Intel SSE4.1" in result.logs[f"worker_{rank}.log"]
+    assert read_summary(tmp_path / "out")["cpu"]["onednn_isa_cap"] == "SSE41"
+
+
+def test_mixed_precision_o2_with_two_workers_computes_in_float16_and_learns(tiny_data, tmp_path):
+    """The article's O2, float16 compute with float32 master weights and no loss scaling, on 2 CPU workers."""
+    args = tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--amp", "O2", "--epochs", "10")
+    result = run_msrun(tmp_path, args)
+    assert result.returncode == 0, result.logs
+    summary = read_summary(tmp_path / "out")
+    assert (summary["amp_level"], summary["loss_scaling"]) == ("O2", "none")
+    assert summary["features_dtype"] == "Float16"  # the convolutions' output, measured on the trained network
+    assert summary["replicas_identical"] is True and summary["world_size"] == 2
+    assert summary["test_accuracy"] >= 0.5
+
+
+@pytest.mark.parametrize("amp, extra, dtype, scaling", [
+    ("O1", [], "Float32", "none"),  # O1 casts back to float32 after each float16 layer
+    ("O2", ["--loss-scale", "1024"], "Float16", "fixed:1024"),
+    ("O3", [], "Float16", "none"),
+])
+def test_every_amp_level_runs_on_cpu(tiny_data, tmp_path, amp, extra, dtype, scaling):
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--amp", amp, *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "out")
+    assert (summary["amp_level"], summary["features_dtype"], summary["loss_scaling"]) == (amp, dtype, scaling)
+    assert math.isfinite(summary["test_loss"])

@@ -1,6 +1,7 @@
 """Unit tests of main.py's pure helpers, on small arrays and IDX files made here."""
 
 import gzip
+import types
 
 import numpy as np
 import pytest
@@ -152,13 +153,21 @@ def test_checksums_file_must_cover_all_four_files(tmp_path):
     assert main.load_checksums("") == main.FASHION_MNIST_SHA256
 
 
-def test_lenet_shapes_and_parameter_count():
+def test_lenet_is_the_articles_layers_and_parameter_count():
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     net = main.LeNet()
-    out = net(ms.Tensor(np.zeros((2, 1, 28, 28), np.float32)))
-    assert out.shape == (2, 10)
-    # conv 1*6*25+6, conv 6*16*25+16, dense 400*120+120, 120*84+84, 84*10+10: the classic 61,706.
-    assert sum(p.size for p in net.trainable_params()) == 61706
+    shapes = {p.name: p.shape for p in net.trainable_params()}
+    assert shapes == {
+        "features.0.weight": (6, 1, 5, 5), "features.0.bias": (6,),
+        "features.3.weight": (16, 6, 5, 5), "features.3.bias": (16,),
+        "classifier.1.weight": (120, 256), "classifier.1.bias": (120,),
+        "classifier.3.weight": (84, 120), "classifier.3.bias": (84,),
+        "classifier.5.weight": (10, 84), "classifier.5.bias": (10,)}
+    assert [c.pad_mode for c in (net.features[0], net.features[3])] == ["valid", "valid"]
+    # 6*25+6 + 16*6*25+16 + 256*120+120 + 120*84+84 + 84*10+10
+    assert sum(p.size for p in net.trainable_params()) == 44426
+    assert net.features(ms.Tensor(np.zeros((2, 1, 28, 28), np.float32))).shape == (2, 16, 4, 4)
+    assert net(ms.Tensor(np.zeros((2, 1, 28, 28), np.float32))).shape == (2, 10)
 
 
 def test_weights_fingerprint_changes_with_any_weight():
@@ -184,9 +193,93 @@ def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
         np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
 
 
-def test_threads_per_worker_share_the_cores(monkeypatch):
-    monkeypatch.setattr(main.os, "sched_getaffinity", lambda _: set(range(8)))
-    assert main.threads_per_worker(0, 2, environ={}) == 4
-    assert main.threads_per_worker(0, 16, environ={"LOCAL_WORKERS": "8"}) == 1
-    assert main.threads_per_worker(0, 32, environ={}) == 1
-    assert main.threads_per_worker(3, 2, environ={}) == 3  # an explicit setting wins
+def test_workers_get_disjoint_shares_of_the_cores():
+    cores = list(range(8))
+    assert [main.worker_cores(cores, rank, 2) for rank in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [main.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [main.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
+    assert main.worker_cores([5], 0, 1) == [5]
+
+
+def test_usable_cores_follow_the_cgroup_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda _: set(range(16)))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")  # a limit of 2.5 CPUs
+    assert main.usable_cores(cpu_max) == [0, 1, 2]
+    cpu_max.write_text("max 100000\n")
+    assert main.usable_cores(cpu_max) == list(range(16))
+    assert main.usable_cores(tmp_path / "absent") == list(range(16))
+
+
+def test_onednn_isa_cap_defaults_to_avx2_on_x86_and_a_users_value_wins():
+    environ = {}
+    assert main.cap_onednn_isa(environ, machine="x86_64") == "AVX2"
+    assert environ == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    for name in main.ONEDNN_ISA_VARS:
+        environ = {name: "AVX512_CORE"}
+        assert main.cap_onednn_isa(environ, machine="x86_64") == "AVX512_CORE"
+        assert environ == {name: "AVX512_CORE"}  # untouched
+    environ = {}
+    assert main.cap_onednn_isa(environ, machine="aarch64") is None and environ == {}
+
+
+def test_cpu_description_reads_model_and_isa_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f amx_tile\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
+    assert main.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
+
+
+@pytest.mark.parametrize("requested, amp, device, expected", [
+    ("auto", "O2", "Ascend", "dynamic"),  # MindSpore's own default for O2
+    ("auto", "O2", "CPU", "none"),  # what the article does; MindSpore refuses dynamic scaling on CPU
+    ("auto", "O0", "Ascend", "none"),
+    ("none", "O2", "Ascend", "none"),
+    ("1024", "O2", "CPU", "fixed:1024"),
+    ("dynamic", "O3", "Ascend", "dynamic"),
+])
+def test_loss_scaling_resolves_per_level_and_device(requested, amp, device, expected):
+    assert main.resolve_loss_scale(requested, amp, device) == expected
+
+
+def test_dynamic_loss_scaling_is_refused_on_cpu_in_one_line(capsys):
+    assert main.main(["--loss-scale", "dynamic", "--device", "CPU"]) == main.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no dynamic loss scaling on CPU" in err and "--loss-scale none" in err
+
+
+def test_loss_scale_must_be_a_mode_or_a_positive_number():
+    with pytest.raises(main.UsageError, match="--loss-scale must be"):
+        main.parse_config(["--loss-scale", "-8"])
+
+
+class FakeRunContext:
+    def __init__(self, **args):
+        self.args = types.SimpleNamespace(**args)
+
+    def original_args(self):
+        return self.args
+
+
+class RecordingTracker(main.NullTracker):
+    def __init__(self):
+        self.logged = []
+
+    def log_metrics(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+
+def test_dynamic_loss_scale_and_skipped_steps_are_logged():
+    """The outputs of MindSpore's TrainOneStepWithLossScaleCell, (loss, overflowed, scale), as the monitor sees
+    them; the cell itself needs an Ascend device."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    tracker = RecordingTracker()
+    monitor = main.TrainingMonitor(main.Collective(0, 0, 1), tracker, epochs=1, global_batch=8, log_interval=2,
+                                   started=0.0)
+    monitor.on_train_epoch_begin(None)
+    for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
+        outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
+        monitor.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
+    assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
+        (2, 1, 32768.0), (4, 3, 16384.0)]
+    assert monitor.skipped_steps == 3
