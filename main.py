@@ -31,6 +31,7 @@ import os
 import platform
 import queue
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +55,16 @@ log = logging.getLogger("fashion-mnist")
 
 JOB_VERSION = "1.0.0"
 EXIT_USAGE = 2  # bad settings or data: retrying the same pod cannot help (see k8s-job.yaml podFailurePolicy)
+EXIT_DIVERGED = 3  # the loss went non-finite: a retry with the same settings diverges again (podFailurePolicy too)
+CHECKPOINT_FORMAT = 2  # 2: a checkpoint records the settings of its training; job 1.0.0 wrote format 1
+# Settings a resumed job may change: where things are, how progress is shown, how long to train. Every other
+# setting, and what the job resolves from them, shapes the training and must match the checkpoint.
+FREE_ON_RESUME = frozenset({"epochs", "data_dir", "data_mirrors", "checksums_file", "download_timeout",
+                            "download_deadline", "output_dir", "resume", "keep_checkpoints", "predict",
+                            "experiment", "run_name", "tracking", "log_interval", "threads", "cpu_bind",
+                            "amp", "loss_scale"})  # the last two count as resolved: amp_level, loss_scaling
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+MLFLOW_STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 IMAGE_SIZE = 28
@@ -68,6 +79,9 @@ FASHION_MNIST_SHA256 = {
 SYSTEM_DATA_DIRS = ("/usr/share/datasets/fashion-mnist",)  # Debian/Ubuntu package dataset-fashion-mnist
 OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 DOWNLOAD_RETRIES = 3
+# A transfer slower than this on average, once it has run --download-timeout seconds, is a trickle: a proxy or
+# mirror that would otherwise hold the job for days, one byte per read timeout. The official mirror gives MB/s.
+DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
 DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
@@ -89,6 +103,39 @@ DEVICES = ("auto", "Ascend", "CPU")
 
 class UsageError(Exception):
     """A setting or the data is wrong; the message says what and how to fix it."""
+
+
+class Diverged(Exception):
+    """The training loss stopped being finite."""
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGINT asked the job to stop; every rank stops at the same step."""
+
+    def __init__(self, signum, step):
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
+        self.signum, self.step = signum, step
+
+
+class StopRequest:
+    """Turns SIGTERM and SIGINT during training into a request that the ranks agree on at the next log
+    interval (a rank stopping alone would leave the others waiting in a collective). Outside training the
+    signals keep their default effect: the process ends at once, and everything it writes is atomic."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def __enter__(self):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc_info):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    def _record(self, signum, frame):
+        self.signum = signum
 
 
 def env_name(flag):
@@ -124,6 +171,7 @@ def build_parser():
     add("--checksums-file", str, "", "sha256sum-style file replacing the pinned checksums of the four IDX "
                                      "files (to train on another IDX dataset)")
     add("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned")
+    add("--download-deadline", float, 600.0, "seconds one file's download may take in all, whatever its progress")
     add("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go")
     add("--resume", str, "auto", "auto: continue from the newest good checkpoint in the output dir; "
                                  "never: start fresh", choices=("auto", "never"))
@@ -156,6 +204,7 @@ class Config:
     data_mirrors: str
     checksums_file: str
     download_timeout: float
+    download_deadline: float
     output_dir: Path
     resume: str
     keep_checkpoints: int
@@ -176,6 +225,7 @@ def parse_config(argv=None):
     cfg = Config(**vars(build_parser().parse_args(argv)))
     positive = {"--epochs": cfg.epochs, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
                 "--log-interval": cfg.log_interval, "--download-timeout": cfg.download_timeout,
+                "--download-deadline": cfg.download_deadline,
                 "--keep-checkpoints": cfg.keep_checkpoints}
     for flag, value in positive.items():
         if not value > 0:
@@ -409,18 +459,36 @@ def local_copy(directory, name):
     return None
 
 
-def download(url, timeout, say=print):
-    """Bytes at `url`, with retries on transient failures, a size cap and a progress line for big files."""
+class TooSlow(ConnectionError):
+    """A transfer that trickles or outlasts its deadline: another attempt at the same mirror would too."""
+
+
+def check_pace(url, size, started, timeout, deadline):
+    elapsed = time.monotonic() - started
+    if elapsed > deadline:
+        raise TooSlow(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
+                      f"{deadline:g}")
+    if elapsed > timeout and size / elapsed < DOWNLOAD_MIN_BYTES_PER_S:
+        raise TooSlow(f"{url}: {size / elapsed:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
+                      f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
+
+
+def download(url, timeout, say=print, deadline=600.0):
+    """Bytes at `url`, with retries on transient failures, a size cap, a progress line for big files, and
+    bounded time: `timeout` per read, `deadline` in all, and a minimum average rate."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
+            started = time.monotonic()
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
                 total = int(response.headers.get("Content-Length") or 0)
                 if total > DOWNLOAD_MAX_BYTES:
                     raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
                 chunks, size, shown = [], 0, 0
-                while chunk := response.read(1 << 20):
+                # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
+                while chunk := response.read1(1 << 20):
                     chunks.append(chunk)
                     size += len(chunk)
+                    check_pace(url, size, started, timeout, deadline)
                     if size > DOWNLOAD_MAX_BYTES:
                         raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
                     if total > (4 << 20) and size * 10 // total > shown:
@@ -429,6 +497,8 @@ def download(url, timeout, say=print):
                 if total and size != total:
                     raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
                 return b"".join(chunks)
+        except TooSlow:
+            raise
         except urllib.error.HTTPError as exc:
             if exc.code < 500 or attempt == DOWNLOAD_RETRIES:  # 4xx will not change on retry
                 raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
@@ -456,7 +526,7 @@ def write_atomic(path, data):
         raise
 
 
-def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print):
+def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0):
     """Make a verified copy of one IDX file exist in data_dir, from the first source that has one."""
     data_dir = Path(data_dir)
     failures = []
@@ -474,7 +544,7 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
         return (path.read_bytes(), data_dir / path.name) if path else None
 
     def from_mirror(url):
-        return download(f"{url.rstrip('/')}/{name}.gz", timeout, say), data_dir / f"{name}.gz"
+        return download(f"{url.rstrip('/')}/{name}.gz", timeout, say, deadline), data_dir / f"{name}.gz"
 
     sources = [(str(d), functools.partial(from_dir, d)) for d in system_dirs]
     sources += [(url, functools.partial(from_mirror, url)) for url in mirrors]
@@ -508,7 +578,7 @@ def is_verified(data_dir, name, expected):
         return False
 
 
-def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print):
+def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """Make the four verified IDX files exist in data_dir; no network request when they already do."""
     data_dir = Path(data_dir)
     missing = [name for name in checksums if not is_verified(data_dir, name, checksums[name])]
@@ -523,7 +593,7 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for name in missing:
-            fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say)
+            fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say, deadline)
 
 
 def load_split(data_dir, split):
@@ -719,19 +789,52 @@ def checkpoint_path(directory, epoch):
     return Path(directory) / f"epoch-{epoch:04d}.ckpt"
 
 
-def load_latest_checkpoint(directory, train_network):
+def trajectory(cfg, resolved, train_network):
+    """What decides the course of a training: every setting not free to change on resume, what the job
+    resolved (amp level, loss scaling, world size, the data's checksums), and the parameters' shapes, which
+    cover the model and the optimizer state."""
+    shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
+    return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in FREE_ON_RESUME}, **resolved,
+            "parameter_shapes": shapes}
+
+
+def resume_conflicts(meta, current):
+    """What differs between a checkpoint's training and this job's, one 'name: was X, now Y' per item."""
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
+                f"now {CHECKPOINT_FORMAT} (job {JOB_VERSION})"]
+    saved = meta["trajectory"]
+    conflicts = []
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
+            was, now = saved.get(name), current.get(name)
+            if name == "parameter_shapes":  # say which, not the whole table
+                differing = sorted(k for k in set(was or {}) | set(now or {}) if (was or {}).get(k) != (now or {}).get(k))
+                was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"
+            conflicts.append(f"{name}: was {was}, now {now}")
+    return conflicts
+
+
+def load_latest_checkpoint(directory, train_network, current):
     """Load the newest checkpoint that reads back whole into `train_network` (weights and optimizer state);
-    a corrupt or partial one is skipped with a warning. Returns its metadata, or None."""
+    a corrupt or partial one is skipped with a warning. Returns its metadata, or None. A checkpoint of another
+    training (other settings, model, world size or job version) raises UsageError naming every difference:
+    continuing it with this job's settings would produce a model that no run describes."""
     for path in sorted(Path(directory).glob("epoch-*.ckpt"), reverse=True):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
             meta = json.loads(params.pop("meta"))
-            missing, _ = ms.load_param_into_net(train_network, params)
-            if missing:
-                raise ValueError(f"it lacks {len(missing)} parameters, such as {missing[0]}")
         except Exception as exc:  # pylint: disable=broad-except
             log.warning("skipping checkpoint %s: %s", path, str(exc).splitlines()[0])
             continue
+        conflicts = resume_conflicts(meta, current)
+        if conflicts:
+            raise UsageError(f"cannot resume from {path}, a checkpoint of another training: {'; '.join(conflicts)}. "
+                             "Start fresh with --resume never, or give another --output-dir")
+        missing, _ = ms.load_param_into_net(train_network, params)
+        if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
+            raise UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as {missing[0]}; "
+                             "start fresh with --resume never")
         return {**meta, "path": str(path)}
     return None
 
@@ -740,14 +843,16 @@ class CheckpointSaver(Callback):
     """Rank 0 writes one checkpoint per epoch (weights, optimizer state, epoch and the figures so far) and
     keeps the newest `keep`; only one process ever writes a checkpoint file."""
 
-    def __init__(self, directory, keep, monitor, tracker):
+    def __init__(self, directory, keep, monitor, tracker, current):
         super().__init__()
         self.directory, self.keep, self.monitor, self.tracker = Path(directory), keep, monitor, tracker
+        self.current = current  # the trajectory, checked on resume
 
     def on_train_epoch_end(self, run_context):
         cb = run_context.original_args()
         # run_id waits only while the run is being created, so a resumed job can continue the same run.
-        meta = {"epoch": cb.cur_epoch_num, "mlflow_run_id": self.tracker.run_id,
+        meta = {"format": CHECKPOINT_FORMAT, "job_version": JOB_VERSION, "trajectory": self.current,
+                "epoch": cb.cur_epoch_num, "mlflow_run_id": self.tracker.run_id,
                 "history": self.monitor.epoch_history, "loss_points": self.monitor.loss_points}
         self.directory.mkdir(parents=True, exist_ok=True)
         save_checkpoint(cb.train_network, checkpoint_path(self.directory, cb.cur_epoch_num),
@@ -835,7 +940,7 @@ class NullTracker:
     def log_artifact(self, path):
         pass
 
-    def finish(self, status):
+    def finish(self, status, timeout=None):
         pass
 
 
@@ -874,11 +979,12 @@ class MlflowTracker(NullTracker):
     def log_artifact(self, path):
         self._queue.put(("artifact", str(path)))
 
-    def finish(self, status):
+    def finish(self, status, timeout=None):
+        timeout = timeout or self._finish_timeout
         self._queue.put(("end", status))
-        self._thread.join(self._finish_timeout)
+        self._thread.join(timeout)
         if self._thread.is_alive():
-            self._fail(TimeoutError(f"no answer within {self._finish_timeout:.0f} s"), "finishing the run")
+            self._fail(TimeoutError(f"no answer within {timeout:.0f} s"), "finishing the run")
             while not self._queue.empty():
                 kind, payload = self._queue.get()
                 self._count_not_logged(kind, [payload])
@@ -954,9 +1060,11 @@ class TrainingMonitor(Callback):
     hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
     per-epoch validation loss and accuracy over the full test set."""
 
-    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None):
+    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None,
+                 stop=None):
         super().__init__()
         self.collective, self.tracker = collective, tracker
+        self.stop = stop or StopRequest()
         self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
         self.started = started
         self.first_step_s = None
@@ -995,8 +1103,15 @@ class TrainingMonitor(Callback):
             self._report_interval(cb, step)
 
     def _report_interval(self, cb, step):
-        per_rank = self.collective.all_gather(np.float64(self._loss_sum.asnumpy()) / self._loss_steps)
+        # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
+        gathered = self.collective.all_gather(
+            np.array([float(self._loss_sum.asnumpy()) / self._loss_steps, self.stop.signum], dtype=np.float64))
+        per_rank, stop_signals = gathered[:, 0], gathered[:, 1]
         self._loss_sum, self._loss_steps = None, 0
+        if not np.isfinite(per_rank).all():
+            raise Diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
+        if stop_signals.any():
+            raise Terminated(int(stop_signals.max()), step)
         now = time.perf_counter()
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
@@ -1027,6 +1142,10 @@ class TrainingMonitor(Callback):
         figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
         self.confusion = metrics.get("confusion", self.confusion)
         self._train_s = None
+        # The same figure on every rank; checked before this epoch's checkpoint is written.
+        if not math.isfinite(figures.get("val_loss", 0.0)):
+            raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} "
+                           f"(step {cb.cur_epoch_num * cb.batch_num})")
         self.epoch_history.append(figures)
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
@@ -1047,6 +1166,30 @@ def start_tracking(cfg, resolved, resume_run_id):
     if commit := git_commit():
         tags["git_commit"] = commit
     return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id)
+
+
+def lock_output_dir(output_dir):
+    """Make `output_dir` this job's: an exclusive flock on output_dir/.lock, whose text names the holder.
+
+    flock, because the kernel releases it when the holder dies however it dies (kill -9, OOM), so a restart
+    is never blocked by a stale lock; NFS clients map it onto NFS byte-range locks, which the server drops
+    when the client's lease lapses. Returns the open lock file, to be kept for the job's lifetime.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "another job"
+        lock.close()
+        raise UsageError(f"--output-dir {output_dir} is in use by {holder}; wait for that job to end, or give "
+                         "another --output-dir") from None
+    lock.truncate(0)
+    lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+    lock.flush()
+    return lock
 
 
 def write_json(path, data):
@@ -1094,12 +1237,8 @@ def main(argv=None):
     try:
         cfg = parse_config(argv)
         checksums = load_checksums(cfg.checksums_file)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    device = resolve_device(cfg.device)
-    amp_level = resolve_amp(cfg.amp, device)
-    try:
+        device = resolve_device(cfg.device)
+        amp_level = resolve_amp(cfg.amp, device)
         loss_scale = resolve_loss_scale(cfg.loss_scale, amp_level, device)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -1126,10 +1265,11 @@ def main(argv=None):
              json.dumps(dataclasses.asdict(cfg), default=str))
 
     try:
-        if collective.is_main:
-            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        # Held until this process ends, however it ends: the kernel drops the lock with the last descriptor.
+        output_lock = lock_output_dir(cfg.output_dir) if collective.is_main else None  # noqa: F841
         if collective.is_local_main:  # one per node: nodes need not share a file system
-            ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info)
+            ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info,
+                        deadline=cfg.download_deadline)
         collective.barrier()
         train_images, train_labels = load_split(cfg.data_dir, "train")
         test_images, test_labels = load_split(cfg.data_dir, "t10k")
@@ -1148,7 +1288,13 @@ def main(argv=None):
     model = Model(net, loss_fn, make_optimizer(cfg, net.trainable_params(), loss_scale), amp_level=amp_level, metrics=metrics,
                   loss_scale_manager=loss_scale_manager(loss_scale))
     checkpoints = cfg.output_dir / "checkpoints"
-    resumed = load_latest_checkpoint(checkpoints, model.train_network) if cfg.resume == "auto" else None
+    current = trajectory(cfg, {"amp_level": amp_level, "loss_scaling": loss_scale, "world_size": world_size,
+                               "data_sha256": checksums}, model.train_network)
+    try:
+        resumed = load_latest_checkpoint(checkpoints, model.train_network, current) if cfg.resume == "auto" else None
+    except UsageError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
     start_epoch = resumed["epoch"] if resumed else 0
     agreed = collective.all_gather(np.int64(start_epoch))
     if (agreed != start_epoch).any():
@@ -1169,14 +1315,27 @@ def main(argv=None):
             tracker.log_artifact(cfg.output_dir / "samples.png")
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size, cfg.seed, start_epoch)
+    stop = StopRequest()
     monitor = TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * world_size,
-                              cfg.log_interval, started, resumed)
+                              cfg.log_interval, started, resumed, stop)
     callbacks = [monitor]
     if collective.is_main:
-        callbacks.append(CheckpointSaver(checkpoints, cfg.keep_checkpoints, monitor, tracker))
+        callbacks.append(CheckpointSaver(checkpoints, cfg.keep_checkpoints, monitor, tracker, current))
     fit_start = time.perf_counter()
-    model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=callbacks, dataset_sink_mode=False,
-              initial_epoch=min(start_epoch, cfg.epochs))
+    try:
+        with stop:
+            model.fit(cfg.epochs, train_ds, test_ds, valid_frequency=1, callbacks=callbacks,
+                      dataset_sink_mode=False, initial_epoch=min(start_epoch, cfg.epochs))
+    except (Diverged, Terminated) as exc:
+        if isinstance(exc, Diverged) and collective.is_main:
+            log.error("training diverged: %s. Start again with a lower --lr (now %g) and --resume never; no "
+                      "final model was written, the checkpoints of the good epochs stay in %s", exc, cfg.lr,
+                      checkpoints)
+        elif collective.is_main:
+            log.warning("%s; the next start resumes from the newest checkpoint in %s", exc, checkpoints)
+        tracker.finish("FAILED" if isinstance(exc, Diverged) else "KILLED", timeout=MLFLOW_STOP_TIMEOUT_S)
+        collective.barrier()  # msrun kills every worker at the first exit: let rank 0 finish with MLflow first
+        return EXIT_DIVERGED if isinstance(exc, Diverged) else 128 + exc.signum
     fit_s = time.perf_counter() - fit_start
     if monitor.confusion is None:  # every epoch was done before this run: evaluate the final model once
         monitor.confusion = model.eval(test_ds, dataset_sink_mode=False)["confusion"]

@@ -18,7 +18,10 @@
 #   ASCEND_ENV   CANN's environment script, sourced when present
 #                (default /usr/local/Ascend/ascend-toolkit/set_env.sh)
 #
-# Exit status: msrun's (0 when every worker succeeded). On failure the failing worker's log tail is shown.
+# Exit status: 0 when every worker succeeded; else the failing worker's own status (2: bad settings or data,
+# 3: the training diverged; 128+N for a worker killed by signal N), or msrun's. The failing worker's log tail is
+# shown. SIGTERM or SIGINT stops the workers together at their next log interval, and run.sh exits 143 (130):
+# as a container's PID 1 too, where bash would otherwise ignore SIGTERM.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,6 +56,11 @@ output_dir_of() {
   printf '%s\n' "$dir"
 }
 
+signal_status() {
+  # A worker's exit as a shell status: msrun reports death by signal N as -N.
+  if (($1 < 0)); then echo $((128 - $1)); else echo "$1"; fi
+}
+
 describe_exit() {
   # msrun reports a worker's exit code; a negative one is the signal that ended it.
   case "$1" in
@@ -71,10 +79,12 @@ show_tail() {
 }
 
 report_failure() {
-  # msrun itself only says "check logs": name the worker that failed, say how, and show why.
+  # msrun itself only says "check logs": name the worker that failed, say how, and show why. Sets
+  # worker_status to the first failed worker's status.
   local status=$1 log_dir=$2 pid code log found=0
   echo "run.sh: the job failed (msrun exit status $status)" >&2
   while read -r pid code; do
+    : "${worker_status:=$(signal_status "$code")}"
     log=$(grep -l "(pid $pid)" "$log_dir"/worker_*.log 2>/dev/null | head -n 1 || true)
     echo "run.sh: ${log:+${log##*/}, }process $pid $(describe_exit "$code")" >&2
     if [[ -n "$log" ]]; then
@@ -90,6 +100,35 @@ report_failure() {
     done
   fi
   echo "run.sh: all logs are in $log_dir" >&2
+}
+
+workers_of() {
+  # msrun's worker processes (not its scheduler or log tails), by the role msrun gives them.
+  local pid
+  for pid in $(pgrep -P "$1" || true); do
+    if tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qx 'MS_ROLE=MS_WORKER'; then
+      echo "$pid"
+    fi
+  done
+}
+
+request_stop() {
+  # msrun would SIGKILL its workers on SIGINT and orphan them on SIGTERM (each runs in a session of its own),
+  # so the workers get SIGTERM themselves; they agree to stop at their next log interval, rank 0 marks the
+  # MLflow run KILLED, and the newest checkpoint stays for the next start.
+  stop_status=$1
+  echo "run.sh: signal received: stopping the workers at their next log interval" >&2
+  local pid
+  for pid in $(workers_of "$msrun_pid"); do
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+}
+
+output_dir_in_use() {
+  # A job holds an flock on <output dir>/.lock while it runs (main.py); another job there would overwrite
+  # its logs before main.py refused to start, so look first.
+  local lock="$1/.lock"
+  [[ -f "$lock" ]] && ! flock --nonblock "$lock" true 2>/dev/null
 }
 
 command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
@@ -147,14 +186,34 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   echo
   exit 0
 fi
+# Node 0 holds the lock; the other nodes of a job share the directory with it.
+if ((NODE_RANK == 0)) && output_dir_in_use "$output_dir"; then
+  die "$output_dir is in use by $(cat "$output_dir/.lock" 2>/dev/null || echo "another job"); wait for that job to end, or give another --output-dir"
+fi
 mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
-status=0
-"${launcher[@]}" python "$here/main.py" "$@" 2>&1 | tee "$LOG_DIR/msrun.log" || status=$?
+status=0 stop_status=0 worker_status=""
+trap 'request_stop 143' TERM
+trap 'request_stop 130' INT
+# msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone (tee -i ignores it too).
+setsid "${launcher[@]}" python "$here/main.py" "$@" > >(tee -i "$LOG_DIR/msrun.log") 2>&1 &
+msrun_pid=$!
+wait "$msrun_pid" || status=$?  # a trapped signal ends the wait early, with msrun still running
+if ((stop_status)); then
+  for _ in $(seq 60); do  # the workers take a log interval and MLflow's last request; Kubernetes gives 30 s
+    [[ -z "$(workers_of "$msrun_pid")" ]] && break
+    sleep 0.5
+  done
+  pkill -KILL -P "$msrun_pid" 2>/dev/null || true  # msrun's scheduler waits out a heartbeat timeout otherwise
+  kill -KILL "$msrun_pid" 2>/dev/null || true
+  wait "$msrun_pid" 2>/dev/null || true
+  echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
+  exit "$stop_status"
+fi
 if ((status != 0)); then
   report_failure "$status" "$LOG_DIR"
-  exit "$status"
+  exit "${worker_status:-$status}"
 fi
 if ((NODE_RANK == 0)); then
   echo "run.sh: done. Results: $output_dir/summary.json; pictures: $output_dir/*.png; logs: $LOG_DIR"

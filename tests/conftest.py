@@ -134,6 +134,9 @@ class MirrorHandler(http.server.BaseHTTPRequestHandler):
         if behaviour == "hang":
             time.sleep(5)
             return
+        if behaviour in ("trickle", "steady"):
+            self.pace(body, *((1, 0.2) if behaviour == "trickle" else (16 << 10, 0.05)))
+            return
         if behaviour == "corrupt":
             body = gzip.compress(gzip.decompress(body)[:-1] + b"\x01", mtime=0)
         elif behaviour == "truncated":
@@ -145,6 +148,21 @@ class MirrorHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         # "cut" promises the whole file and closes the connection half-way, like a dropped link.
         self.wfile.write(body[: len(body) // 2] if behaviour == "cut" else body)
+
+    def pace(self, body, chunk, interval):
+        """Send `body` `chunk` bytes every `interval` seconds: "trickle" like a stuck proxy, with no
+        Content-Length, and "steady", fast enough for any minimum rate but slow for a big file."""
+        self.send_response(200)
+        if chunk > 1:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for start in range(0, len(body), chunk):
+                self.wfile.write(body[start:start + chunk])
+                self.wfile.flush()
+                time.sleep(interval)
+        except OSError:  # the client gave up, as it should
+            pass
 
 
 @contextlib.contextmanager

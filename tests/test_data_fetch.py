@@ -157,3 +157,31 @@ def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
     assert [job.wait(timeout=120) for job in jobs] == [0, 0]
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("good") == 4  # the second job found verified files behind the lock
+
+
+def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirror):
+    """One byte every 0.2 s, no Content-Length: each read is in time, the transfer is hopeless."""
+    _, checksums, _ = dataset
+    lines = []
+    started = time.monotonic()
+    fetch(tmp_path, checksums, [f"{mirror.url}/trickle", f"{mirror.url}/good"], timeout=1.0, say=lines.append)
+    assert time.monotonic() - started < 20  # about 1 s per file on the trickle, where it would take hours
+    assert_all_verified(tmp_path, checksums)
+    assert mirror.total("trickle") == 4  # given up at once, not retried
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_trickle_alone_fails_with_its_rate_named(tmp_path, dataset, mirror):
+    _, checksums, _ = dataset
+    with pytest.raises(main.UsageError, match=r"bytes/s after \d+ s, under the minimum of 16,384 bytes/s"):
+        fetch(tmp_path, checksums, [f"{mirror.url}/trickle"], timeout=1.0)
+    assert data_files(tmp_path) == []
+
+
+def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):
+    mirror.files["big.gz"] = bytes(4 << 20)  # 4 MiB at 320 KiB/s: 13 s, over any minimum rate
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"not complete after 2 s .* over --download-deadline 1.5"):
+        main.download(f"{mirror.url}/steady/big.gz", 5.0, deadline=1.5)
+    assert time.monotonic() - started < 5
+    assert mirror.total("steady") == 1

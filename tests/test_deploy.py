@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import main
 from conftest import ROOT, job_env, read_summary, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,6 +98,16 @@ def test_dockerfile_builds_on_cann_for_910b_by_default_and_310p_on_request():
     assert "--build-arg CANN_CHIP=310p" in dockerfile and "--build-arg CANN_CHIP=310p" in (ROOT / "README.md").read_text()
 
 
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_manifest_stops_retrying_bad_settings_and_divergence_and_allows_the_sigterm_stop(manifest):
+    job = next(doc for doc in yaml.safe_load_all((ROOT / manifest).read_text()) if doc["kind"] == "Job")
+    fail_job = [rule for rule in job["spec"]["podFailurePolicy"]["rules"] if rule["action"] == "FailJob"]
+    assert fail_job[0]["onExitCodes"]["values"] == [main.EXIT_USAGE, main.EXIT_DIVERGED]
+    # run.sh stops the workers at their next log interval and waits at most 10 s for MLflow: within 30 s.
+    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+    assert main.MLFLOW_STOP_TIMEOUT_S <= 10
+
+
 def test_dockerfile_installs_the_tested_requirements():
     """The image's pip line, run here with --dry-run --no-index, is satisfied by exactly what the tests use."""
     dockerfile = (ROOT / "Dockerfile").read_text()
@@ -138,7 +149,7 @@ def test_run_sh_failure_names_the_worker_and_shows_its_log(tiny_data, tmp_path):
     args = ["--data-dir", "empty", "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
             "--output-dir", "out", "--tracking", "off"]
     result = run_sh(tmp_path, args, WORKERS="2")
-    assert result.returncode == 1  # msrun's status
+    assert result.returncode == 2  # the worker's own status, which a podFailurePolicy can act on
     assert "the job failed (msrun exit status 1)" in result.stderr
     assert re.search(r"worker_0\.log, process \d+ exited with status 2: a bad setting or missing data",
                      result.stderr), result.stderr[-3000:]

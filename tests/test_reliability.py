@@ -1,0 +1,260 @@
+"""Real operations: resumes that must not mix settings, one job per output dir, divergence, SIGTERM (run.sh as
+PID 1 and under a shell), and two msrun nodes in two network namespaces. Real processes and real signals."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+import main
+from conftest import ROOT, job_env, read_summary, run_main, run_msrun, tiny_args, write_dataset
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def longer_data(tmp_path_factory):
+    """Epochs of a few seconds, so that a job is still training when the test acts on it."""
+    directory = tmp_path_factory.mktemp("longer-data")
+    write_dataset(directory, splits={"train": 8192, "t10k": 256})
+    return directory
+
+
+def job_args(data_dir, output_dir, *extra):
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", str(output_dir), "--batch-size", "16", "--log-interval", "8", *extra]
+
+
+def wait_for(path, pattern, process, timeout=180):
+    """The first match of `pattern` in the file at `path`, polling while `process` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists():
+            match = re.search(pattern, path.read_text(errors="replace"))
+            if match:
+                return match
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} did not appear in {path}")
+
+
+def mlflow_run(cwd, run_id):
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    return MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}").get_run(run_id)
+
+
+# --- resume
+
+
+def test_resume_refuses_other_settings_and_world_size_and_allows_the_free_ones(tiny_data, tmp_path):
+    first = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"))
+    assert first.returncode == 0, first.logs
+    changed = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
+                                           "--lr", "0.01", "--optimizer", "momentum"))
+    assert changed.returncode == main.EXIT_USAGE
+    error = [line for line in changed.stderr.splitlines() if "ERROR" in line]
+    assert len(error) == 1, changed.stderr[-3000:]
+    for difference in ("lr: was 0.1, now 0.01", "optimizer: was sgd, now momentum", "world_size: was 2, now 1",
+                       "--resume never"):
+        assert difference in error[0], (difference, error[0])
+    assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
+    # More epochs, another log interval and tracking are free to change: the same 2 workers resume.
+    resumed = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
+                                            "--log-interval", "3"))
+    assert resumed.returncode == 0, resumed.logs
+    assert "resuming from" in resumed.logs["worker_0.log"]
+    assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 1
+
+
+def test_checkpoint_of_an_older_job_version_is_refused(tiny_data, tmp_path):
+    """A checkpoint as job 1.0.0 wrote it: another model, and no record of its settings."""
+    import json  # pylint: disable=import-outside-toplevel
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    from mindspore import nn  # pylint: disable=import-outside-toplevel
+    checkpoints = tmp_path / "out" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    old_model = nn.SequentialCell(nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2), nn.Flatten(), nn.Dense(4704, 10))
+    ms.save_checkpoint(old_model, str(checkpoints / "epoch-0001.ckpt"), crc_check=True,
+                       append_dict={"meta": json.dumps({"epoch": 1, "history": [], "loss_points": []})})
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"))
+    assert result.returncode == main.EXIT_USAGE
+    assert f"checkpoint format: was 1 (written by job 1.0.0), now {main.CHECKPOINT_FORMAT}" in result.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+# --- one job per output directory
+
+
+def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothing(longer_data, tmp_path):
+    args = job_args(longer_data, "out", "--tracking", "off", "--epochs", "50")
+    holder = subprocess.Popen([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        logs = tmp_path / "out" / "logs"
+        pid = int(wait_for(logs / "worker_0.log", r"rank 0 of 2 \(pid (\d+)\)", holder).group(1))
+        wait_for(logs / "worker_0.log", r"first step done", holder)
+        log_before = (logs / "worker_0.log").stat().st_size
+        started = time.monotonic()
+        second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
+        assert time.monotonic() - started < 30
+        assert second.returncode == main.EXIT_USAGE
+        assert re.search(rf"--output-dir out is in use by the job on host \S+, pid {pid}, started 20\d\d-",
+                         second.stderr), second.stderr[-2000:]
+        by_run_sh = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
+                                   capture_output=True, text=True, timeout=60, check=False)
+        assert by_run_sh.returncode == 2 and f"out is in use by the job on host" in by_run_sh.stderr
+        assert (logs / "worker_0.log").stat().st_size >= log_before  # its logs were left alone
+        for process in subprocess.run(["pgrep", "-f", f"{ROOT / 'main.py'}.*{tmp_path}"], capture_output=True,
+                                      text=True, check=False).stdout.split():
+            os.kill(int(process), signal.SIGKILL)  # every process of the job, as a crashed node would
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=60)
+    after_crash = run_main(tmp_path, [*args, "--epochs", "1", "--resume", "never"], timeout=300)
+    assert after_crash.returncode == 0, after_crash.stderr[-3000:]
+
+
+# --- divergence
+
+
+def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data, tmp_path):
+    good = run_main(tmp_path, tiny_args(tiny_data, "out"))
+    assert good.returncode == 0, good.stderr[-3000:]
+    checkpoint = tmp_path / "out" / "checkpoints" / "epoch-0001.ckpt"
+    good_bytes = checkpoint.read_bytes()
+    for name in ("summary.json", "model.ckpt", "model.mindir"):
+        (tmp_path / "out" / name).unlink()
+    result = subprocess.run([str(ROOT / "run.sh"), *tiny_args(tiny_data, "out", "--lr", "1e8", "--resume", "never",
+                                                             "--epochs", "2")],
+                            cwd=tmp_path, env=job_env(WORKERS="2"), capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == main.EXIT_DIVERGED, result.stdout[-2000:] + result.stderr[-2000:]
+    worker0 = (tmp_path / "out" / "logs" / "worker_0.log").read_text()
+    assert re.search(r"training diverged: training loss (nan|inf) at step \d+ \(epoch 1\)\. Start again with a "
+                     r"lower --lr \(now 1e\+08\)", worker0), worker0[-3000:]
+    assert "Traceback" not in worker0 + (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+    for name in ("summary.json", "model.ckpt", "model.mindir"):
+        assert not (tmp_path / "out" / name).exists(), name
+    assert checkpoint.read_bytes() == good_bytes  # the good epoch stays
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fashion-mnist-lenet").experiment_id],
+                              order_by=["attributes.start_time DESC"])
+    assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
+
+
+# --- SIGTERM
+
+
+@pytest.mark.parametrize("as_pid_1", [True, False], ids=["pid-1-in-a-pid-namespace", "under-a-shell"])
+def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(longer_data, tmp_path, as_pid_1):
+    args = job_args(longer_data, "out", "--epochs", "3")
+    command = [str(ROOT / "run.sh"), *args]
+    if as_pid_1:  # as in the image: run.sh is PID 1, where the kernel gives it no default signal handling
+        command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *command]
+    job = subprocess.Popen(command, cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    worker0 = tmp_path / "out" / "logs" / "worker_0.log"
+    wait_for(worker0, r"epoch 2/3 \| step 16/", job)
+    target = job.pid
+    if as_pid_1:
+        target = int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True,
+                                    check=True).stdout.split()[0])
+    signalled = time.monotonic()
+    os.kill(target, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    stopped_after = time.monotonic() - signalled
+    assert job.returncode == 143, stderr[-3000:]
+    assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
+    log = worker0.read_text()
+    assert re.search(r"stopped by SIGTERM at step \d+; the next start resumes", log), log[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["epoch-0001.ckpt"]
+    assert not (tmp_path / "out" / "summary.json").exists()
+    assert not subprocess.run(["pgrep", "-f", f"{ROOT / 'main.py'}.*{longer_data}"], capture_output=True,
+                              check=False).stdout  # no worker left behind
+    run_id = re.search(r"MLflow: run (\w+)", log).group(1)
+    assert mlflow_run(tmp_path, run_id).info.status == "KILLED"
+    rerun = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0.read_text()
+    summary = read_summary(tmp_path / "out")
+    assert summary["mlflow_run_id"] == run_id and summary["replicas_identical"] is True
+    assert mlflow_run(tmp_path, run_id).info.status == "FINISHED"
+
+
+# --- two nodes
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, 10.203.0.1 and .2: two hosts of one test machine.
+    Removed afterwards whatever happens (deleting a namespace deletes its end of the pair)."""
+    suffix = os.getpid() % 100000
+    names = [f"fmnist{suffix}n{i}" for i in (0, 1)]
+    links = [f"fm{suffix}v{i}" for i in (0, 1)]
+
+    def ip(*args):
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        for name in names:
+            ip("netns", "add", name)
+        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for i, (name, link) in enumerate(zip(names, links)):
+            ip("link", "set", link, "netns", name)
+            ip("-n", name, "addr", "add", f"{NODE_ADDRESSES[i]}/24", "dev", link)
+            ip("-n", name, "link", "set", link, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+NODE_ADDRESSES = ("10.203.0.1", "10.203.0.2")
+
+
+def start_node(namespace, node_rank, cwd, args):
+    """run.sh as one node of a 2-node job: in its own network namespace, and as PID 1 of its own PID namespace,
+    so that killing it kills everything the node runs, as losing the machine would."""
+    env = job_env(WORKERS="1", NODES="2", NODE_RANK=str(node_rank), MASTER_ADDR=NODE_ADDRESSES[0],
+                  MASTER_PORT="8118", CLUSTER_TIMEOUT="120")
+    command = ["ip", "netns", "exec", namespace, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+               str(ROOT / "run.sh"), *args]
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_data, tmp_path):
+    args = job_args(longer_data, "out", "--tracking", "off", "--epochs", "3")
+    nodes = [start_node(name, rank, tmp_path, args) for rank, name in enumerate(two_hosts)]
+    try:
+        worker0 = tmp_path / "out" / "logs" / "node0" / "worker_0.log"
+        assert wait_for(worker0, r"rank 0 of (\d+)", nodes[0]).group(1) == "2"
+        wait_for(worker0, r"epoch 2/3 \| step 16/", nodes[0])
+        killed_at = time.monotonic()
+        nodes[1].kill()  # unshare --kill-child: node 1's PID 1 dies, and with it every process of the node
+        statuses = [node.wait(timeout=300) for node in nodes]
+        failed_after = time.monotonic() - killed_at
+        print(f"both nodes ended {failed_after:.1f} s after node 1 was killed")
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait(timeout=60)
+    assert all(status != 0 for status in statuses), statuses
+    assert failed_after < 180, failed_after
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt")) == ["epoch-0001.ckpt"]
+
+    nodes = [start_node(name, rank, tmp_path, args) for rank, name in enumerate(two_hosts)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [out[-2000:] for out in outputs]
+    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0.read_text()
+    summary = read_summary(tmp_path / "out")
+    assert (summary["world_size"], summary["replicas_identical"], summary["resumed_from_epoch"]) == (2, True, 1)
+    assert "Node 0 holds the results" in outputs[1]
