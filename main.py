@@ -33,13 +33,13 @@ import queue
 import resource
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,7 @@ CHECKPOINT_FORMAT = 2  # 2: a checkpoint records the settings of its training; j
 # setting, and what the job resolves from them, shapes the training and must match the checkpoint.
 FREE_ON_RESUME = frozenset({"epochs", "data_dir", "data_mirrors", "checksums_file", "download_timeout",
                             "download_deadline", "output_dir", "resume", "keep_checkpoints", "predict",
-                            "experiment", "run_name", "tracking", "log_interval", "threads", "cpu_bind",
+                            "experiment", "run_name", "tracking", "register_model", "log_interval", "threads", "cpu_bind",
                             "amp", "loss_scale"})  # the last two count as resolved: amp_level, loss_scaling
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 MLFLOW_STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
@@ -87,8 +87,13 @@ GZIP_MAGIC = b"\x1f\x8b"
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
 # MLflow retries a dead server for minutes by default; these bound one request to about half a minute.
 # Its usage telemetry would be one more thread reaching for the internet from every training pod.
+# System metrics every 10 s: one psutil sample and one request, under the benchmark's noise (README).
 MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+                   "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
+                   "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "10"}
+# The UI's "Model training" view (not its GenAI one) for the job's experiment.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+SERVING_EXAMPLE_IMAGES = 4  # test images stored with the MLflow model as its input example
 MLFLOW_FINISH_TIMEOUT_S = 60
 GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -180,6 +185,8 @@ def build_parser():
     add("--experiment", str, "fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME")
     add("--run-name", str, "", "MLflow run name (default: MLflow picks one)")
     add("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"))
+    add("--register-model", str, "", "register the trained model under this name in the MLflow Model Registry "
+                                     "(default: not registered)")
     add("--log-interval", int, 100, "steps between progress lines and training-loss points")
     add("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of "
                              "the worker's share of this machine (see --cpu-bind)")
@@ -212,6 +219,7 @@ class Config:
     experiment: str
     run_name: str
     tracking: str
+    register_model: str
     log_interval: int
     threads: int
     cpu_bind: str
@@ -236,6 +244,8 @@ def parse_config(argv=None):
         raise UsageError(f"--threads must be >= 0, got {cfg.threads}")
     if cfg.weight_decay < 0:
         raise UsageError(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if cfg.register_model and cfg.tracking == "off":
+        raise UsageError("--register-model needs tracking: drop --tracking off, or the registration")
     if cfg.loss_scale not in ("auto", "none", "dynamic") and not positive_number(cfg.loss_scale):
         raise UsageError(f"--loss-scale must be auto, none, dynamic or a positive number, got {cfg.loss_scale!r}")
     return cfg
@@ -394,6 +404,12 @@ class Collective:
         if self.world_size > 1:
             ops.communication.barrier()
 
+    def broadcast_text(self, text, length=64):
+        """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
+        codes = np.zeros(length, dtype=np.int32)
+        codes[:len(text or "")] = list((text or "").encode("ascii"))
+        return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
+
 
 # --- data
 
@@ -534,7 +550,7 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
     if present:
         try:
             check_file(present.read_bytes(), str(present), expected)
-            return  # another job sharing the data dir fetched it while this one waited for the lock
+            return str(data_dir.resolve())  # another job sharing the data dir fetched it meanwhile
         except ValueError as exc:
             failures.append(str(exc))
             say(f"warning: {exc}; fetching it again")
@@ -546,7 +562,7 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
     def from_mirror(url):
         return download(f"{url.rstrip('/')}/{name}.gz", timeout, say, deadline), data_dir / f"{name}.gz"
 
-    sources = [(str(d), functools.partial(from_dir, d)) for d in system_dirs]
+    sources = [(str(Path(d).resolve()), functools.partial(from_dir, d)) for d in system_dirs]
     sources += [(url, functools.partial(from_mirror, url)) for url in mirrors]
     for source, get in sources:
         try:
@@ -562,12 +578,17 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
             present.unlink()  # the bad copy would shadow or confuse the good one
         write_atomic(target, raw)
         say(f"{name}: verified copy from {source}")
-        return
+        return url_of(source, name)
     raise UsageError(
         f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
         f"{', '.join(map(str, [data_dir, *system_dirs, *mirrors]))}. Provide the data with --data-dir "
         "pointing at the four IDX files, install the dataset-fashion-mnist package, or add a reachable "
         "--data-mirrors URL")
+
+
+def url_of(source, name):
+    """Where a file came from: its URL for a mirror, the directory for a local copy."""
+    return f"{source.rstrip('/')}/{name}.gz" if "://" in source else source
 
 
 def is_verified(data_dir, name, expected):
@@ -579,11 +600,13 @@ def is_verified(data_dir, name, expected):
 
 
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
-    """Make the four verified IDX files exist in data_dir; no network request when they already do."""
+    """Make the four verified IDX files exist in data_dir; no network request when they already do. Returns
+    where each came from: {name: the data dir, a system directory, or the mirror URL}."""
     data_dir = Path(data_dir)
-    missing = [name for name in checksums if not is_verified(data_dir, name, checksums[name])]
+    sources = {name: str(data_dir.resolve()) for name in checksums if is_verified(data_dir, name, checksums[name])}
+    missing = [name for name in checksums if name not in sources]
     if not missing:
-        return  # complete: works on a read-only data dir, such as one baked into an image
+        return sources  # complete: works on a read-only data dir, such as one baked into an image
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         lock = open(data_dir / ".lock", "a+b")  # pylint: disable=consider-using-with
@@ -593,7 +616,8 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for name in missing:
-            fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say, deadline)
+            sources[name] = fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say, deadline)
+    return sources
 
 
 def load_split(data_dir, split):
@@ -777,6 +801,37 @@ def save_checkpoint(cell, path, extra=None):
     os.replace(tmp, path)
 
 
+# --- serving: the MLflow model
+
+
+class ServedModel:
+    """The exported model as `mlflow models serve` runs it. In: a batch of 28x28 grayscale images as 0-255
+    pixel values, oriented as in the IDX files ([N, 28, 28]). Out: per image the class index, the class name
+    and the ten probabilities. The preprocessing is the training's own (to_model_input)."""
+
+    def __init__(self, mindir):
+        self.net = nn.GraphCell(ms.load(str(mindir)))
+
+    def predict(self, model_input, params=None):  # pylint: disable=unused-argument
+        images = np.asarray(model_input, dtype=np.uint8)
+        return prediction_frame(self.net(Tensor(to_model_input(images))).asnumpy())
+
+
+def prediction_frame(logits):
+    import pandas as pd  # pylint: disable=import-outside-toplevel
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    probabilities = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    classes = probabilities.argmax(axis=1)
+    return pd.DataFrame({"class_index": classes.astype(np.int64), "class_name": [CLASS_NAMES[c] for c in classes],
+                         "probabilities": [row.tolist() for row in probabilities]})
+
+
+def _load_pyfunc(path):
+    """MLflow's entry point for this file as a pyfunc loader_module: the model from its MindIR at `path`."""
+    cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
+    return ServedModel(path)
+
+
 def export_mindir(net, path):
     """The model for inference as MindIR, written atomically like everything else."""
     tmp = Path(path).with_name(f".{Path(path).stem}.part")
@@ -864,18 +919,6 @@ class CheckpointSaver(Callback):
 # --- metrics and tracking
 
 
-def git_commit():
-    """The commit the job runs from: GIT_COMMIT (set when the image is built), else git, else None."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=5, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout.strip() or None
-
-
 def correct_predictions(logits, one_hot_labels):
     return (logits.argmax(axis=1) == one_hot_labels.argmax(axis=1)).astype(np.float64)
 
@@ -929,6 +972,35 @@ class GlobalConfusion(Metric):
         return self._collective.all_gather(self._counts).sum(axis=0)
 
 
+def experiment_id(client, name):
+    """The id of the experiment `name`, created as a model-development experiment if it does not exist."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return client.create_experiment(name, tags=EXPERIMENT_TAGS)
+    for key, value in EXPERIMENT_TAGS.items():
+        if key not in found.tags:  # a kind the user chose stays
+            client.set_experiment_tag(found.experiment_id, key, value)
+    return found.experiment_id
+
+
+def log_served_model(mlflow, client, payload):
+    """Log the exported MindIR as the run's MLflow model `model` (pyfunc, loaded by _load_pyfunc below), with
+    its signature, an input example of real test images and the job's pinned requirements; register it when
+    asked, tagged with the test accuracy. Runs on the tracker's thread, inside the run."""
+    with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
+        warnings.simplefilter("ignore", UserWarning)
+        signature = mlflow.models.infer_signature(payload["example"], payload["predictions"])
+    info = mlflow.pyfunc.log_model(
+        name="model", loader_module=Path(__file__).stem, data_path=payload["mindir"],
+        code_paths=[str(Path(__file__).resolve())], signature=signature, input_example=payload["example"],
+        pip_requirements=str(Path(__file__).resolve().parent / "requirements.txt"),
+        registered_model_name=payload["register_as"] or None, await_registration_for=MLFLOW_FINISH_TIMEOUT_S)
+    if payload["register_as"]:
+        client.set_model_version_tag(payload["register_as"], info.registered_model_version, "test_accuracy",
+                                     f"{payload['test_accuracy']:.4f}")
+        log.info("MLflow: registered model %s version %s", payload["register_as"], info.registered_model_version)
+
+
 class NullTracker:
     """Tracking on ranks other than 0, or when switched off: accepts everything, records nothing."""
 
@@ -940,6 +1012,12 @@ class NullTracker:
     def log_artifact(self, path):
         pass
 
+    def log_model(self, mindir, example, predictions, register_as, test_accuracy):
+        pass
+
+    def run_id_within(self, timeout):
+        return None
+
     def finish(self, status, timeout=None):
         pass
 
@@ -950,10 +1028,12 @@ class MlflowTracker(NullTracker):
     Training never waits for tracking: connecting, creating the run and every request happen on the thread,
     metrics queued between two requests go out as one batch, and the first failure (server down at start
     or gone mid-run) turns tracking off with one warning instead of failing or stalling the job. finish()
-    waits a bounded time and says what was not logged.
+    waits a bounded time and says what was not logged. The run is MLflow's own kind: started with
+    mlflow.start_run, whose context providers add the user, the source and its git commit; it holds the
+    datasets, this node's system metrics and, at the end, the model as an MLflow model.
     """
 
-    def __init__(self, experiment, run_name, params, tags, resume_run_id=None,
+    def __init__(self, experiment, run_name, params, tags, resume_run_id=None, datasets=(), node="node0",
                  finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
         for name, value in MLFLOW_DEFAULTS.items():
             os.environ.setdefault(name, value)  # a user's setting wins
@@ -963,14 +1043,17 @@ class MlflowTracker(NullTracker):
         self._error = None
         self._connected = threading.Event()  # set once the run exists or starting it failed
         self._run_id = None
-        self._thread = threading.Thread(target=self._work, args=(experiment, run_name, params, tags, resume_run_id),
-                                        name="mlflow-tracker", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True,
+                                        args=(experiment, run_name, params, tags, resume_run_id, datasets, node))
         self._thread.start()
 
     @property
     def run_id(self):
         """The run's id once it exists; None if starting it failed or takes longer than the finish bound."""
-        self._connected.wait(self._finish_timeout)
+        return self.run_id_within(self._finish_timeout)
+
+    def run_id_within(self, timeout):
+        self._connected.wait(timeout)
         return self._run_id
 
     def log_metrics(self, metrics, step):
@@ -978,6 +1061,10 @@ class MlflowTracker(NullTracker):
 
     def log_artifact(self, path):
         self._queue.put(("artifact", str(path)))
+
+    def log_model(self, mindir, example, predictions, register_as, test_accuracy):
+        self._queue.put(("model", {"mindir": str(mindir), "example": example, "predictions": predictions,
+                                   "register_as": register_as, "test_accuracy": test_accuracy}))
 
     def finish(self, status, timeout=None):
         timeout = timeout or self._finish_timeout
@@ -992,22 +1079,29 @@ class MlflowTracker(NullTracker):
             what = ", ".join(f"{n} {kind}" for kind, n in sorted(self._not_logged.items()))
             log.warning("MLflow: not logged: %s (tracking failed: %s)", what, self._error)
 
-    def _work(self, experiment, run_name, params, tags, resume_run_id):
+    def _work(self, experiment, run_name, params, tags, resume_run_id, datasets, node):
         import mlflow  # pylint: disable=import-outside-toplevel
         from mlflow.entities import Metric as MlflowMetric  # pylint: disable=import-outside-toplevel
+        from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
+            SystemMetricsMonitor)
+        system_metrics = None
         try:
             client = mlflow.MlflowClient()
-            if resume_run_id:  # a resumed job continues its run; its parameters are already there
-                client.update_run(resume_run_id, status="RUNNING")
+            if resume_run_id:  # a resumed job continues its run; parameters and datasets are already there
+                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
                 client.set_tag(resume_run_id, "resumed", "true")
-                self._run_id = resume_run_id
             else:
-                found = client.get_experiment_by_name(experiment)
-                experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-                run = client.create_run(experiment_id, run_name=run_name or None, tags=tags)
-                params = [mlflow.entities.Param(k, str(v)) for k, v in params.items()]
-                client.log_batch(run.info.run_id, params=params)
-                self._run_id = run.info.run_id
+                run = mlflow.start_run(experiment_id=experiment_id(client, experiment), run_name=run_name or None,
+                                       tags=tags, log_system_metrics=False)
+                client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params.items()])
+                for context, (images, labels, name, digest, source) in datasets:
+                    with warnings.catch_warnings():  # that a local path could be one of two kinds of local source
+                        warnings.simplefilter("ignore", UserWarning)
+                        dataset = mlflow.data.from_numpy(images, targets=labels, source=source, name=name, digest=digest)
+                    mlflow.log_input(dataset, context=context)
+            self._run_id = run.info.run_id
+            system_metrics = SystemMetricsMonitor(self._run_id, node_id=node)
+            system_metrics.start()
             log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment, mlflow.get_tracking_uri())
         except Exception as exc:  # pylint: disable=broad-except
             self._fail(exc, f"starting a run at {mlflow.get_tracking_uri()}")
@@ -1020,9 +1114,10 @@ class MlflowTracker(NullTracker):
             for kind, group in itertools.groupby(items, key=lambda item: item[0]):
                 payloads = [payload for _, payload in group]
                 if kind == "end":
+                    if system_metrics:
+                        system_metrics.finish()
                     if self._error is None:
-                        self._attempt(lambda: client.set_terminated(self._run_id, payloads[0]), "ending the run",
-                                      "run end")
+                        self._attempt(lambda: mlflow.end_run(payloads[0]), "ending the run", "run end")
                     return
                 if self._error is not None:
                     self._count_not_logged(kind, payloads)
@@ -1030,6 +1125,8 @@ class MlflowTracker(NullTracker):
                     for path in payloads:
                         self._attempt(lambda p=path: client.log_artifact(self._run_id, p), f"logging {path}",
                                       "artifacts")
+                elif kind == "model":
+                    self._attempt(lambda: log_served_model(mlflow, client, payloads[0]), "logging the model", "model")
                 else:
                     metrics = [MlflowMetric(k, float(v), ts, step)
                                for values, step, ts in payloads for k, v in values.items()]
@@ -1041,6 +1138,8 @@ class MlflowTracker(NullTracker):
             self._not_logged["metric values"] += sum(len(values) for values, _, _ in payloads)
         elif kind == "artifact":
             self._not_logged["artifacts"] += len(payloads)
+        elif kind == "model":
+            self._not_logged["model"] += 1
 
     def _attempt(self, action, what, kind, count=1):
         try:
@@ -1157,15 +1256,49 @@ class TrainingMonitor(Callback):
                                       for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
 
 
-def start_tracking(cfg, resolved, resume_run_id):
+def start_tracking(cfg, resolved, resume_run_id, datasets, node):
     """The job's MLflow run: every setting and what the job resolved them to (device, world size, amp level,
     loss scaling, ...), as parameters; tags to filter runs by."""
     params = {**dataclasses.asdict(cfg), **resolved, "global_batch_size": cfg.batch_size * resolved["world_size"],
               "mindspore_version": ms.__version__, "job_version": JOB_VERSION}
     tags = {"device": resolved["device"], "world_size": str(resolved["world_size"]), "job_version": JOB_VERSION}
-    if commit := git_commit():
-        tags["git_commit"] = commit
-    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id)
+    if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
+        tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
+    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id, datasets=datasets,
+                         node=node)
+
+
+def dataset_inputs(splits, checksums, sources):
+    """The train and test splits as MLflow dataset inputs: (context, (images, labels, name, digest, source)).
+    The digest comes from the pinned SHA-256 of the content, so equal digests mean equal data."""
+    inputs = []
+    for context, split, (images, labels) in (("training", "train", splits[0]), ("evaluation", "t10k", splits[1])):
+        names = [f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"]
+        digest = hashlib.sha256("".join(checksums[n] for n in names).encode()).hexdigest()[:32]
+        inputs.append((context, (images, labels, f"fashion-mnist-{split}", digest, sources.get(names[0], ""))))
+    return inputs
+
+
+def node_name(environ=os.environ):
+    """This node in system-metric names: node0, node1, ... (run.sh exports NODE_RANK)."""
+    return f"node{environ.get('NODE_RANK', '0')}"
+
+
+def watch_node(collective, tracker, world_size, local_workers):
+    """Start MLflow's system-metrics monitor on this node's first worker for the nodes after the first, whose
+    monitor rank 0's tracker runs. Returns the monitor or None. A collective: every rank calls it."""
+    if world_size <= local_workers:
+        return None  # one node: rank 0's tracker watches it
+    run_id = collective.broadcast_text(tracker.run_id_within(MLFLOW_STOP_TIMEOUT_S) if collective.is_main else "")
+    if not run_id or collective.is_main or not collective.is_local_main:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
+        SystemMetricsMonitor)
+    for name, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    monitor = SystemMetricsMonitor(run_id, node_id=node_name())
+    monitor.start()
+    return monitor
 
 
 def lock_output_dir(output_dir):
@@ -1250,7 +1383,8 @@ def main(argv=None):
     rank, local_rank, world_size = init_distributed()
     collective = Collective(rank, local_rank, world_size)
     configure_logging(rank)
-    cores = worker_cores(usable_cores(), local_rank, int(os.environ.get("LOCAL_WORKERS") or world_size))
+    local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
+    cores = worker_cores(usable_cores(), local_rank, local_workers)
     if device == "CPU" and cfg.cpu_bind == "on":
         bind_to_cores(cores)  # before MindSpore starts its thread pools, which inherit the binding
     threads = cfg.threads or len(cores)
@@ -1267,9 +1401,10 @@ def main(argv=None):
     try:
         # Held until this process ends, however it ends: the kernel drops the lock with the last descriptor.
         output_lock = lock_output_dir(cfg.output_dir) if collective.is_main else None  # noqa: F841
+        sources = {}  # where each file came from, for the MLflow datasets
         if collective.is_local_main:  # one per node: nodes need not share a file system
-            ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info,
-                        deadline=cfg.download_deadline)
+            sources = ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=log.info,
+                                  deadline=cfg.download_deadline)
         collective.barrier()
         train_images, train_labels = load_split(cfg.data_dir, "train")
         test_images, test_labels = load_split(cfg.data_dir, "t10k")
@@ -1311,8 +1446,11 @@ def main(argv=None):
             tracker = start_tracking(cfg, {"device": device, "world_size": world_size, "amp_level": amp_level,
                                            "loss_scaling": loss_scale, "onednn_isa_cap": isa_cap,
                                            "cpu_model": cpu_description()["model"]},
-                                     resumed and resumed["mlflow_run_id"])
+                                     resumed and resumed["mlflow_run_id"],
+                                     dataset_inputs(((train_images, train_labels), (test_images, test_labels)),
+                                                    checksums, sources), node_name())
             tracker.log_artifact(cfg.output_dir / "samples.png")
+    node_monitor = watch_node(collective, tracker, world_size, local_workers) if cfg.tracking == "on" else None
 
     train_ds = train_dataset(train_images, train_labels, cfg.batch_size, rank, world_size, cfg.seed, start_epoch)
     stop = StopRequest()
@@ -1334,6 +1472,8 @@ def main(argv=None):
         elif collective.is_main:
             log.warning("%s; the next start resumes from the newest checkpoint in %s", exc, checkpoints)
         tracker.finish("FAILED" if isinstance(exc, Diverged) else "KILLED", timeout=MLFLOW_STOP_TIMEOUT_S)
+        if node_monitor:
+            node_monitor.finish()
         collective.barrier()  # msrun kills every worker at the first exit: let rank 0 finish with MLflow first
         return EXIT_DIVERGED if isinstance(exc, Diverged) else 128 + exc.signum
     fit_s = time.perf_counter() - fit_start
@@ -1346,6 +1486,8 @@ def main(argv=None):
     # What the convolutions really compute in: float16 under O2 and O3 (O1 casts back after each layer).
     features_dtype = str(net.features(Tensor(to_model_input(test_images[:2]))).dtype)
     if not collective.is_main:
+        if node_monitor:
+            node_monitor.finish()
         return 0 if replicas_identical else 1
 
     history = monitor.epoch_history[:cfg.epochs]
@@ -1371,6 +1513,10 @@ def main(argv=None):
     for name, write in outputs.items():
         write(cfg.output_dir / name)
         tracker.log_artifact(cfg.output_dir / name)
+    example = test_images[:SERVING_EXAMPLE_IMAGES]
+    tracker.log_model(cfg.output_dir / "model.mindir", example,
+                      prediction_frame(net(Tensor(to_model_input(example))).asnumpy()), cfg.register_model,
+                      summary["test_accuracy"])
     tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],
                          "test_loss": summary["test_loss"]}, step=cfg.epochs)
     tracker.finish("FINISHED" if replicas_identical else "FAILED")

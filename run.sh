@@ -151,6 +151,7 @@ if [[ -z "${WORKERS:-}" ]]; then
   ((WORKERS > 0)) || WORKERS=2
 fi
 export LOCAL_WORKERS=$WORKERS  # main.py divides this machine's cores among its workers
+export NODE_RANK  # main.py names this node's system metrics after it
 if [[ -z "${MASTER_PORT:-}" ]]; then
   if ((NODES > 1)); then MASTER_PORT=8118; else MASTER_PORT=$(free_port); fi
 fi

@@ -70,6 +70,7 @@ def test_mlflow_embedded_store_holds_one_run_for_the_job(two_worker_run):
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 4  # steps 2, 4, 6, 8
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"samples.png", "summary.json"} <= artifacts
+    assert client.search_registered_models() == []  # registering is asked for with --register-model
 
 
 def test_single_process_without_msrun(tiny_data, tmp_path):

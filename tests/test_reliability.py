@@ -2,10 +2,12 @@
 PID 1 and under a shell), and two msrun nodes in two network namespaces. Real processes and real signals."""
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -220,11 +222,42 @@ def two_hosts():
 NODE_ADDRESSES = ("10.203.0.1", "10.203.0.2")
 
 
-def start_node(namespace, node_rank, cwd, args):
+def in_namespace(namespace, code, *args):
+    """The JSON that Python `code` prints, run inside a network namespace."""
+    result = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code, *args],
+                            capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def mlflow_server_in(namespace, directory):
+    """A real mlflow server in `namespace`, on the node's address; yields its URL."""
+    url = f"http://{NODE_ADDRESSES[0]}:5005"
+    log_file = open(directory / "mlflow-server.log", "wb")  # pylint: disable=consider-using-with
+    server = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "mlflow", "server", "--host",
+                               NODE_ADDRESSES[0], "--port", "5005", "--workers", "1", "--backend-store-uri",
+                               f"sqlite:///{directory / 'mlflow-server.db'}", "--artifacts-destination",
+                               str(directory / "mlflow-artifacts")], stdout=log_file, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        probe = "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2); print(1)"
+        deadline = time.monotonic() + 120
+        while subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", probe, f"{url}/health"],
+                             capture_output=True, check=False).returncode != 0:
+            assert server.poll() is None and time.monotonic() < deadline, (directory / "mlflow-server.log").read_text()
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log_file.close()
+
+
+def start_node(namespace, node_rank, cwd, args, **environment):
     """run.sh as one node of a 2-node job: in its own network namespace, and as PID 1 of its own PID namespace,
     so that killing it kills everything the node runs, as losing the machine would."""
     env = job_env(WORKERS="1", NODES="2", NODE_RANK=str(node_rank), MASTER_ADDR=NODE_ADDRESSES[0],
-                  MASTER_PORT="8118", CLUSTER_TIMEOUT="120")
+                  MASTER_PORT="8118", CLUSTER_TIMEOUT="120", **environment)
     command = ["ip", "netns", "exec", namespace, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
                str(ROOT / "run.sh"), *args]
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -251,10 +284,20 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
     assert failed_after < 180, failed_after
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt")) == ["epoch-0001.ckpt"]
 
-    nodes = [start_node(name, rank, tmp_path, args) for rank, name in enumerate(two_hosts)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], [out[-2000:] for out in outputs]
+    # The rerun is tracked (tracking may change on resume), to a server on node 0 that both nodes reach.
+    with mlflow_server_in(two_hosts[0], tmp_path) as url:
+        tracked = dict(MLFLOW_TRACKING_URI=url, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+        nodes = [start_node(name, rank, tmp_path, [*args, "--tracking", "on"], **tracked)
+                 for rank, name in enumerate(two_hosts)]
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+        assert [node.returncode for node in nodes] == [0, 0], [out[-2000:] for out in outputs]
+        summary = read_summary(tmp_path / "out")
+        metrics = in_namespace(two_hosts[0], "import json, sys, mlflow; "
+                               "print(json.dumps(sorted(mlflow.MlflowClient(sys.argv[1]).get_run(sys.argv[2]).data.metrics)))",
+                               url, summary["mlflow_run_id"])
     assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0.read_text()
-    summary = read_summary(tmp_path / "out")
     assert (summary["world_size"], summary["replicas_identical"], summary["resumed_from_epoch"]) == (2, True, 1)
     assert "Node 0 holds the results" in outputs[1]
+    # One system-metrics monitor per node, named after it.
+    for node in ("node0", "node1"):
+        assert f"system/{node}/cpu_utilization_percentage" in metrics, metrics

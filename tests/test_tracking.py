@@ -1,19 +1,41 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1: what a 2-worker job records, and outages."""
 
 import contextlib
+import getpass
+import hashlib
+import json
 import logging
+import re
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 import main
+import numpy as np
+
 from conftest import ROOT, free_port, job_env, read_summary, run_main, run_msrun, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 EPOCHS = 2
+REGISTERED = "fashion-mnist-lenet-test"
+
+
+def wait_until_up(url, process, log_path, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up: {log_path.read_text()[-2000:]}")
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -27,17 +49,7 @@ def mlflow_server(directory):
     server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(directory / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+        wait_until_up(f"{url}/health", server, directory / "server.log")
         yield url, server
     finally:
         server.terminate()
@@ -50,11 +62,14 @@ def mlflow_server(directory):
 
 @pytest.fixture(scope="module")
 def tracked_job(tiny_data, tmp_path_factory):
-    """A 2-worker job logging to a live server; yields the server URL, the job's output dir and result."""
+    """A 2-worker job logging to a live server, with its SQLite database, and registering its model; yields the
+    server URL, the job's output dir and result. System metrics every second, so that a short job has some."""
     directory = tmp_path_factory.mktemp("tracked")
     with mlflow_server(directory) as (url, _):
-        env = job_env(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="tracked")
-        result = run_msrun(directory, tiny_args(tiny_data, directory / "out", "--epochs", str(EPOCHS)), env=env)
+        env = job_env(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="tracked",
+                      MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+        args = tiny_args(tiny_data, directory / "out", "--epochs", str(EPOCHS), "--register-model", REGISTERED)
+        result = run_msrun(directory, args, env=env)
         yield url, directory, result
 
 
@@ -76,10 +91,96 @@ def test_one_run_with_the_jobs_parameters_and_tags(tracked_run):
     assert (params["world_size"], params["device"], params["amp_level"], params["seed"]) == ("2", "CPU", "O0", "42")
     assert params["mindspore_version"] and params["job_version"] == main.JOB_VERSION
     assert params["global_batch_size"] == "32" and params["batch_size"] == "16"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    if commit.returncode == 0:
-        assert run.data.tags["git_commit"] == commit.stdout.strip()
     assert (run.data.tags["device"], run.data.tags["world_size"]) == ("CPU", "2")
+
+
+def test_run_carries_mlflows_system_tags_in_a_model_development_experiment(tracked_run):
+    """What the UI's Overview shows as the run's source, user and commit, and its "Model training" view."""
+    client, run, _ = tracked_run
+    tags = run.data.tags
+    assert (tags["mlflow.user"], tags["mlflow.source.type"]) == (getpass.getuser(), "LOCAL")
+    assert tags["mlflow.source.name"] == str(ROOT / "main.py")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert tags["mlflow.source.git.commit"] == commit.stdout.strip()
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_train_and_test_splits_are_the_runs_datasets(tracked_run, tiny_data):
+    _, run, _ = tracked_run
+    sums = dict(reversed(line.split()) for line in (tiny_data / "CHECKSUMS").read_text().splitlines())
+    found = {(d.dataset.name, d.tags[0].value): d.dataset for d in run.inputs.dataset_inputs}
+    assert sorted(found) == [("fashion-mnist-t10k", "evaluation"), ("fashion-mnist-train", "training")]
+    for (name, _), dataset in found.items():
+        split = name.rsplit("-", 1)[1]
+        content = sums[f"{split}-images-idx3-ubyte"] + sums[f"{split}-labels-idx1-ubyte"]
+        assert dataset.digest == hashlib.sha256(content.encode()).hexdigest()[:32]
+        assert json.loads(dataset.source) == {"uri": str(tiny_data.resolve())}  # the data dir the job read
+        assert json.loads(dataset.profile)["features_shape"] == [256 if split == "train" else 96, 28, 28]
+
+
+def test_trained_model_is_the_runs_mlflow_model_with_signature_example_and_pins(tracked_run, tracked_job,
+                                                                              monkeypatch):
+    import mlflow  # pylint: disable=import-outside-toplevel
+    client, run, _ = tracked_run
+    url, directory, _ = tracked_job
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # for this test only: later ones pick their own servers
+    info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
+    assert info.flavors["python_function"]["loader_module"] == "main"
+    assert [(spec.type, spec.shape) for spec in info.signature.inputs.inputs] == [(np.dtype("uint8"), (-1, 28, 28))]
+    assert info.signature.outputs.input_names() == ["class_index", "class_name", "probabilities"]
+    assert info.saved_input_example_info is not None
+    assert [output.model_id for output in run.outputs.model_outputs] == [info.model_id]  # the run's logged model
+    local = mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model", dst_path=str(directory / "model"))
+    pins = {line for line in (ROOT / "requirements.txt").read_text().splitlines() if "==" in line}
+    assert pins <= set((Path(local) / "requirements.txt").read_text().splitlines())
+
+
+def test_registered_version_is_tagged_with_the_test_accuracy(tracked_run):
+    client, run, summary = tracked_run
+    version = client.get_model_version(REGISTERED, "1")
+    assert version.run_id == run.info.run_id
+    assert version.tags["test_accuracy"] == f"{summary['test_accuracy']:.4f}"
+
+
+def test_system_metrics_of_the_one_node_come_from_rank_0(tracked_run):
+    client, run, _ = tracked_run
+    system = {key for key in run.data.metrics if key.startswith("system/")}
+    assert "system/node0/cpu_utilization_percentage" in system and "system/node0/system_memory_usage_megabytes" in system
+    assert all(key.startswith("system/node0/") for key in system)
+    assert len(client.get_metric_history(run.info.run_id, "system/node0/cpu_utilization_percentage")) >= 1
+
+
+def test_mlflow_models_serve_answers_as_the_job_predicts(tracked_run, tracked_job, tiny_data):
+    """The real `mlflow models serve` on the run's model, asked about test images with POST /invocations."""
+    import gzip  # pylint: disable=import-outside-toplevel
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    _, run, _ = tracked_run
+    url, directory, _ = tracked_job
+    port = free_port()
+    env = job_env(MLFLOW_TRACKING_URI=url)
+    log_file = open(directory / "serve.log", "wb")  # pylint: disable=consider-using-with
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"runs:/{run.info.run_id}/model",
+                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                              cwd=directory, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/ping", server, directory / "serve.log")
+        images = main.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))[:24]
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
+                                         data=json.dumps({"inputs": images.tolist()}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            predictions = json.loads(response.read())["predictions"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log_file.close()
+    net = main.LeNet()
+    ms.load_param_into_net(net, ms.load_checkpoint(str(directory / "out" / "model.ckpt")))
+    expected = net(ms.Tensor(main.to_model_input(images))).asnumpy().argmax(axis=1)
+    assert [p["class_index"] for p in predictions] == expected.tolist()
+    assert [p["class_name"] for p in predictions] == [main.CLASS_NAMES[c] for c in expected]
+    assert all(len(p["probabilities"]) == 10 and abs(sum(p["probabilities"]) - 1) < 1e-6 for p in predictions)
 
 
 def test_training_loss_is_the_mean_over_ranks(tracked_run):
@@ -120,7 +221,7 @@ def test_dead_server_at_start_costs_seconds_not_minutes(tiny_data, tmp_path):
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MLflow: tracking is off for the rest of the job" in result.stderr
-    assert "MLflow: not logged:" in result.stderr
+    assert re.search(r"MLflow: not logged: .*1 model", result.stderr), result.stderr[-2000:]
     summary = read_summary(tmp_path / "out")
     assert summary["mlflow_run_id"] is None and summary["replicas_identical"] is True
     assert elapsed < 90, elapsed  # MLflow's defaults would retry for minutes
