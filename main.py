@@ -352,6 +352,11 @@ def resolve_loss_scale(loss_scale, amp_level, device):
     return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
 
 
+def fixed_loss_scale(mode):
+    """The scale of a "fixed:<scale>" mode, else None."""
+    return float(mode.partition(":")[2]) if mode.startswith("fixed:") else None
+
+
 def loss_scale_manager(mode):
     """MindSpore's manager for a resolve_loss_scale() mode; None means no scaling."""
     if mode == "none":
@@ -359,7 +364,7 @@ def loss_scale_manager(mode):
     if mode == "dynamic":
         return ms.amp.DynamicLossScaleManager()
     # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
-    return ms.amp.FixedLossScaleManager(float(mode.partition(":")[2]), drop_overflow_update=False)
+    return ms.amp.FixedLossScaleManager(fixed_loss_scale(mode), drop_overflow_update=False)
 
 
 # --- distributed helpers
@@ -778,7 +783,7 @@ class LeNet(nn.Cell):
 
 def make_optimizer(cfg, params, loss_scale_mode):
     # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
-    scale = float(loss_scale_mode.partition(":")[2]) if loss_scale_mode.startswith("fixed:") else 1.0
+    scale = fixed_loss_scale(loss_scale_mode) or 1.0
     if cfg.optimizer == "adam":
         return nn.Adam(params, learning_rate=cfg.lr, weight_decay=cfg.weight_decay, loss_scale=scale)
     momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
@@ -972,6 +977,11 @@ class GlobalConfusion(Metric):
         return self._collective.all_gather(self._counts).sum(axis=0)
 
 
+def apply_mlflow_defaults():
+    for name, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(name, value)  # a user's setting wins
+
+
 def experiment_id(client, name):
     """The id of the experiment `name`, created as a model-development experiment if it does not exist."""
     found = client.get_experiment_by_name(name)
@@ -1035,8 +1045,7 @@ class MlflowTracker(NullTracker):
 
     def __init__(self, experiment, run_name, params, tags, resume_run_id=None, datasets=(), node="node0",
                  finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
-        for name, value in MLFLOW_DEFAULTS.items():
-            os.environ.setdefault(name, value)  # a user's setting wins
+        apply_mlflow_defaults()
         self._finish_timeout = finish_timeout
         self._queue = queue.SimpleQueue()
         self._not_logged = collections.Counter()
@@ -1294,8 +1303,7 @@ def watch_node(collective, tracker, world_size, local_workers):
         return None
     from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
         SystemMetricsMonitor)
-    for name, value in MLFLOW_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    apply_mlflow_defaults()
     monitor = SystemMetricsMonitor(run_id, node_id=node_name())
     monitor.start()
     return monitor
@@ -1377,6 +1385,7 @@ def main(argv=None):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     isa_cap = cap_onednn_isa() if device == "CPU" else None
+    cpu = cpu_description()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device)
 
@@ -1445,7 +1454,7 @@ def main(argv=None):
         if cfg.tracking == "on":
             tracker = start_tracking(cfg, {"device": device, "world_size": world_size, "amp_level": amp_level,
                                            "loss_scaling": loss_scale, "onednn_isa_cap": isa_cap,
-                                           "cpu_model": cpu_description()["model"]},
+                                           "cpu_model": cpu["model"]},
                                      resumed and resumed["mlflow_run_id"],
                                      dataset_inputs(((train_images, train_labels), (test_images, test_labels)),
                                                     checksums, sources), node_name())
@@ -1494,7 +1503,7 @@ def main(argv=None):
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": device, "world_size": world_size, "amp_level": amp_level, "loss_scaling": loss_scale,
-        "features_dtype": features_dtype, "cpu": {**cpu_description(), "onednn_isa_cap": isa_cap,
+        "features_dtype": features_dtype, "cpu": {**cpu, "onednn_isa_cap": isa_cap,
                                                   "threads_per_worker": threads}, "epochs": cfg.epochs,
         "global_batch_size": cfg.batch_size * world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],

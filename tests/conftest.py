@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -100,6 +101,18 @@ def run_main(cwd, args, env=None, timeout=300):
     """The job as one process, without msrun."""
     return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, env=env or job_env(),
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def wait_for(path, pattern, process, timeout=240):
+    """The first match of `pattern` in the file at `path`, polling while `process` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if path.exists():
+            match = re.search(pattern, path.read_text(errors="replace"))
+            if match:
+                return match
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} did not appear in {path}")
 
 
 def read_summary(output_dir):

@@ -19,6 +19,13 @@ TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernete
 MANIFESTS = ["k8s-job.yaml", "k8s-multinode.yaml"]
 
 
+def checkov(manifest):
+    """checkov from its own venv (its pins would move the job's), on one manifest file."""
+    binary = Path(os.environ.get("CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov"))
+    return subprocess.run([str(binary), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
+                           "-f", manifest], cwd=ROOT, capture_output=True, text=True, check=False)
+
+
 def tool(name, *args):
     return subprocess.run([str(TOOLS / name), *args], cwd=ROOT, capture_output=True, text=True, check=False)
 
@@ -49,9 +56,7 @@ def test_manifest_passes_yamllint(manifest):
 
 @pytest.mark.parametrize("manifest", MANIFESTS)
 def test_manifest_passes_checkov_with_justified_skips(manifest):
-    checkov = Path(os.environ.get("CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov"))
-    result = subprocess.run([str(checkov), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes", "-f", manifest],
-                            cwd=ROOT, capture_output=True, text=True, check=False)
+    result = checkov(manifest)
     assert result.returncode == 0, result.stdout + result.stderr
     skips = re.findall(r"checkov\.io/skip\d+: (.+)$", (ROOT / manifest).read_text(), flags=re.M)
     assert skips, "expected the documented skips"
@@ -85,9 +90,7 @@ def test_ascend_310p_overlay_requests_310p_devices_and_its_image(ascend_310p_man
 def test_ascend_310p_overlay_is_valid_and_passes_checkov(ascend_310p_manifest):
     result = tool("kubernetes-validate", "--strict", str(ascend_310p_manifest))
     assert result.returncode == 0 and "passed for resource job/" in result.stdout + result.stderr, result.stdout
-    checkov = Path(os.environ.get("CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov"))
-    result = subprocess.run([str(checkov), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
-                             "-f", str(ascend_310p_manifest)], capture_output=True, text=True, check=False)
+    result = checkov(str(ascend_310p_manifest))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

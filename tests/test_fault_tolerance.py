@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, job_env, read_summary, run_main, write_dataset
+from conftest import ROOT, job_env, read_summary, run_main, wait_for, write_dataset
 
 pytestmark = pytest.mark.timeout(900)
 EPOCHS = 3
@@ -28,18 +28,6 @@ def job_args(data_dir, *extra):
 def start_run_sh(cwd, args):
     return subprocess.Popen([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(WORKERS="2"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(path, pattern, process, timeout=240):
-    """The first match of `pattern` in the file at `path`, polling while `process` runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if path.exists():
-            match = re.search(pattern, path.read_text(errors="replace"))
-            if match:
-                return match
-        time.sleep(0.1)
-    raise AssertionError(f"{pattern!r} did not appear in {path}")
 
 
 @pytest.fixture(scope="module")

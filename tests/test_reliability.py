@@ -13,7 +13,7 @@ import time
 import pytest
 
 import main
-from conftest import ROOT, job_env, read_summary, run_main, run_msrun, tiny_args, write_dataset
+from conftest import ROOT, job_env, read_summary, run_main, run_msrun, tiny_args, wait_for, write_dataset
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -29,18 +29,6 @@ def longer_data(tmp_path_factory):
 def job_args(data_dir, output_dir, *extra):
     return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
             "--output-dir", str(output_dir), "--batch-size", "16", "--log-interval", "8", *extra]
-
-
-def wait_for(path, pattern, process, timeout=180):
-    """The first match of `pattern` in the file at `path`, polling while `process` runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if path.exists():
-            match = re.search(pattern, path.read_text(errors="replace"))
-            if match:
-                return match
-        time.sleep(0.1)
-    raise AssertionError(f"{pattern!r} did not appear in {path}")
 
 
 def mlflow_run(cwd, run_id):
@@ -96,8 +84,8 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         logs = tmp_path / "out" / "logs"
-        pid = int(wait_for(logs / "worker_0.log", r"rank 0 of 2 \(pid (\d+)\)", holder).group(1))
-        wait_for(logs / "worker_0.log", r"first step done", holder)
+        pid = int(wait_for(logs / "worker_0.log", r"rank 0 of 2 \(pid (\d+)\)", holder, timeout=180).group(1))
+        wait_for(logs / "worker_0.log", r"first step done", holder, timeout=180)
         log_before = (logs / "worker_0.log").stat().st_size
         started = time.monotonic()
         second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
@@ -162,7 +150,7 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     job = subprocess.Popen(command, cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     worker0 = tmp_path / "out" / "logs" / "worker_0.log"
-    wait_for(worker0, r"epoch 2/3 \| step 16/", job)
+    wait_for(worker0, r"epoch 2/3 \| step 16/", job, timeout=180)
     target = job.pid
     if as_pid_1:
         target = int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True,
@@ -268,8 +256,8 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
     nodes = [start_node(name, rank, tmp_path, args) for rank, name in enumerate(two_hosts)]
     try:
         worker0 = tmp_path / "out" / "logs" / "node0" / "worker_0.log"
-        assert wait_for(worker0, r"rank 0 of (\d+)", nodes[0]).group(1) == "2"
-        wait_for(worker0, r"epoch 2/3 \| step 16/", nodes[0])
+        assert wait_for(worker0, r"rank 0 of (\d+)", nodes[0], timeout=180).group(1) == "2"
+        wait_for(worker0, r"epoch 2/3 \| step 16/", nodes[0], timeout=180)
         killed_at = time.monotonic()
         nodes[1].kill()  # unshare --kill-child: node 1's PID 1 dies, and with it every process of the node
         statuses = [node.wait(timeout=300) for node in nodes]
