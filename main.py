@@ -993,6 +993,14 @@ def experiment_id(client, name):
     return found.experiment_id
 
 
+def run_page(tracking_uri, experiment_id, run_id):
+    """Where a user sees the run: its page in the UI of a tracking server, in the UI's model-training view
+    (a fresh browser opens MLflow 3's GenAI view whatever the experiment's kind); else the tracking URI."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
 def log_served_model(mlflow, client, payload):
     """Log the exported MindIR as the run's MLflow model `model` (pyfunc, loaded by _load_pyfunc below), with
     its signature, an input example of real test images and the job's pinned requirements; register it when
@@ -1111,7 +1119,8 @@ class MlflowTracker(NullTracker):
             self._run_id = run.info.run_id
             system_metrics = SystemMetricsMonitor(self._run_id, node_id=node)
             system_metrics.start()
-            log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment, mlflow.get_tracking_uri())
+            log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment,
+                     run_page(mlflow.get_tracking_uri(), run.info.experiment_id, self._run_id))
         except Exception as exc:  # pylint: disable=broad-except
             self._fail(exc, f"starting a run at {mlflow.get_tracking_uri()}")
         self._connected.set()

@@ -106,6 +106,15 @@ def test_run_carries_mlflows_system_tags_in_a_model_development_experiment(track
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_rank_0_logs_the_runs_page_in_the_uis_model_training_view(tracked_run, tracked_job):
+    url, _, result = tracked_job
+    _, run, _ = tracked_run
+    page = f"{url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert page in result.logs["worker_0.log"]
+    with urllib.request.urlopen(url, timeout=10) as response:  # the page is the server's own UI
+        assert b"<title>MLflow</title>" in response.read()
+
+
 def test_train_and_test_splits_are_the_runs_datasets(tracked_run, tiny_data):
     _, run, _ = tracked_run
     sums = dict(reversed(line.split()) for line in (tiny_data / "CHECKSUMS").read_text().splitlines())

@@ -283,3 +283,9 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
         (2, 1, 32768.0), (4, 3, 16384.0)]
     assert monitor.skipped_steps == 3
+
+
+def test_run_page_is_the_ui_link_for_a_server_and_the_store_otherwise():
+    assert main.run_page("http://host:5000/", "3", "abc") == \
+        "http://host:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    assert main.run_page("sqlite:///mlflow.db", "3", "abc") == "sqlite:///mlflow.db"
