@@ -993,6 +993,18 @@ def experiment_id(client, name):
     return found.experiment_id
 
 
+def run_exists(client, run_id):
+    """Whether the tracking store has the run: a checkpoint's run may live in another store."""
+    from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+    try:
+        client.get_run(run_id)
+        return True
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise  # a server that cannot answer is a tracking failure, not a missing run
+        return False
+
+
 def run_page(tracking_uri, experiment_id, run_id):
     """Where a user sees the run: its page in the UI of a tracking server, in the UI's model-training view
     (a fresh browser opens MLflow 3's GenAI view whatever the experiment's kind); else the tracking URI."""
@@ -1104,6 +1116,11 @@ class MlflowTracker(NullTracker):
         system_metrics = None
         try:
             client = mlflow.MlflowClient()
+            if resume_run_id and not run_exists(client, resume_run_id):
+                log.warning("MLflow: the checkpoint's run %s is not at %s (another tracking store); continuing "
+                            "in a new run there, tagged resumed_from_run; the earlier epochs stay in the old one",
+                            resume_run_id, mlflow.get_tracking_uri())
+                tags, resume_run_id = {**tags, "resumed_from_run": resume_run_id}, None
             if resume_run_id:  # a resumed job continues its run; parameters and datasets are already there
                 run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
                 client.set_tag(resume_run_id, "resumed", "true")

@@ -223,6 +223,27 @@ def test_artifacts_are_on_the_run(tracked_run, tracked_job):
     assert read_summary(local.rsplit("/", 1)[0])["mlflow_run_id"] == run.info.run_id
 
 
+def test_resume_under_another_tracking_store_continues_in_a_new_run_there(tiny_data, tmp_path):
+    """A job trained with the default local store, then continued against another store (a server, say):
+    the checkpoint's run is not there, so the continuation gets a run of its own, model included."""
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    stores = [f"sqlite:///{tmp_path / name}" for name in ("first.db", "second.db")]
+    first = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"), env=job_env(MLFLOW_TRACKING_URI=stores[0]))
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_run = read_summary(tmp_path / "out")["mlflow_run_id"]
+    second = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--epochs", "2"),
+                      env=job_env(MLFLOW_TRACKING_URI=stores[1]))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"the checkpoint's run {first_run} is not at {stores[1]}" in second.stderr
+    summary = read_summary(tmp_path / "out")
+    assert summary["resumed_from_epoch"] == 1 and summary["mlflow_run_id"] not in (None, first_run)
+    client = MlflowClient(stores[1])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_from_run"] == first_run
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [2]
+    assert len(run.outputs.model_outputs) == 1  # the continuation's model is on the new run
+
+
 def test_dead_server_at_start_costs_seconds_not_minutes(tiny_data, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
