@@ -1005,12 +1005,12 @@ def run_exists(client, run_id):
         return False
 
 
-def run_page(tracking_uri, experiment_id, run_id):
+def run_page(tracking_uri, experiment, run_id):
     """Where a user sees the run: its page in the UI of a tracking server, in the UI's model-training view
     (a fresh browser opens MLflow 3's GenAI view whatever the experiment's kind); else the tracking URI."""
     if not tracking_uri.startswith(("http://", "https://")):
         return tracking_uri
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
 
 def log_served_model(mlflow, client, payload):
