@@ -24,11 +24,12 @@ RUN if [ "${BAKE_DATA}" = 1 ]; then \
     fi
 
 WORKDIR /opt/job
-# Requirements before the source, so editing main.py does not reinstall 2.5 GB of packages.
+# Requirements before the source, so editing the code does not reinstall 2.5 GB of packages.
 COPY requirements.txt ./
 RUN python -m pip install --no-cache-dir -r requirements.txt
 
 COPY main.py run.sh ./
+COPY fmnist/ ./fmnist/
 
 # uid/gid 1000 is HwHiAiUser on Ascend hosts, the owner of the driver files the container reads.
 RUN (getent group 1000 >/dev/null || groupadd --gid 1000 trainer) \

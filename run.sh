@@ -43,19 +43,6 @@ free_port() {
   python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
-output_dir_of() {
-  # The job's --output-dir if given on the command line, else OUTPUT_DIR, else the job's default.
-  local dir=${OUTPUT_DIR:-outputs} arg take_next=0
-  for arg in "$@"; do
-    if ((take_next)); then dir=$arg; take_next=0; fi
-    case "$arg" in
-      --output-dir) take_next=1 ;;
-      --output-dir=*) dir=${arg#--output-dir=} ;;
-    esac
-  done
-  printf '%s\n' "$dir"
-}
-
 signal_status() {
   # A worker's exit as a shell status: msrun reports death by signal N as -N.
   if (($1 < 0)); then echo $((128 - $1)); else echo "$1"; fi
@@ -124,13 +111,6 @@ request_stop() {
   done
 }
 
-output_dir_in_use() {
-  # A job holds an flock on <output dir>/.lock while it runs (main.py); another job there would overwrite
-  # its logs before main.py refused to start, so look first.
-  local lock="$1/.lock"
-  [[ -f "$lock" ]] && ! flock --nonblock "$lock" true 2>/dev/null
-}
-
 command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
 command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv first"
 
@@ -165,7 +145,11 @@ if ((NODES > 1)) && [[ -z "${MASTER_ADDR:-}" ]]; then
 fi
 : "${MASTER_ADDR:=127.0.0.1}"
 
-output_dir=$(output_dir_of "$@")
+# The job's own checks of its settings, in a fraction of a second and before msrun starts anything: a bad
+# setting, or an output directory another job holds (whose logs msrun would overwrite), stops here with the
+# job's one-line error and exit 2. It prints the output directory.
+case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
+output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$@") || exit "$?"
 if ((NODES > 1)); then
   : "${LOG_DIR:=$output_dir/logs/node$NODE_RANK}"  # msrun names logs by local rank: keep nodes apart
 else
@@ -186,10 +170,6 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   printf '%q ' "${launcher[@]}" python "$here/main.py" "$@"
   echo
   exit 0
-fi
-# Node 0 holds the lock; the other nodes of a job share the directory with it.
-if ((NODE_RANK == 0)) && output_dir_in_use "$output_dir"; then
-  die "$output_dir is in use by $(cat "$output_dir/.lock" 2>/dev/null || echo "another job"); wait for that job to end, or give another --output-dir"
 fi
 mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"

@@ -21,12 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil  # installed with mlflow
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from fmnist import common  # noqa: E402 (the job's package and the tests' servers, from this checkout)
+from servers import mlflow_server  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,34 +52,6 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
-
-
-def free_port():
-    import socket  # pylint: disable=import-outside-toplevel
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_mlflow_server(directory):
-    port = free_port()
-    log = open(directory / "mlflow-server.log", "wb")  # pylint: disable=consider-using-with
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}", "--artifacts-destination",
-         str(directory / "artifacts"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                wait_until_idle(server.pid)
-                return server, url
-        except OSError:
-            if server.poll() is not None:
-                break
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit(f"bench: mlflow server did not start; see {directory / 'mlflow-server.log'}")
 
 
 def cpu_seconds(pid):
@@ -144,16 +118,13 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         workdir = Path(tmp)
         untracked = run_job("untracked", workdir, args, args.workers, args.batch_size, {"TRACKING": "off"})
-        server, url = start_mlflow_server(workdir)
-        try:
+        with mlflow_server(workdir) as (url, server):
+            wait_until_idle(server.pid)
             server_cpu = cpu_seconds(server.pid)
             tracked = run_job("tracked", workdir, args, args.workers, args.batch_size,
                               {"MLFLOW_TRACKING_URI": url, "TRACKING": "on"})
             # The server shares this machine's cores with the job; a real deployment runs it elsewhere.
             tracked["server_cpu_s"] = cpu_seconds(server.pid) - server_cpu
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
         runs = [untracked, tracked]
         global_batch = args.workers * args.batch_size
         for workers in args.compare_workers:
@@ -177,9 +148,7 @@ def main(argv=None):
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "
               f"(batch {args.batch_size} per worker in both)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp_json = args.json.with_suffix(".part")
-    tmp_json.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp_json, args.json)
+    common.write_json(args.json, results)
     print(f"results: {args.json}")
     return 0
 

@@ -7,7 +7,6 @@ import http.server
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from servers import free_port, mlflow_server, wait_until_up  # noqa: E402,F401 (shared with the benchmark)
 
 SPLITS = {"train": 256, "t10k": 96}  # samples: enough for a few steps per worker, seconds per epoch
 
@@ -62,12 +63,6 @@ def tiny_data(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-data")
     write_dataset(directory)
     return directory
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job_env(**overrides):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import main
+from fmnist import common, fetch
 from conftest import ROOT, serve, write_dataset
 
 
@@ -28,8 +28,8 @@ def mirror(dataset):
         yield server
 
 
-def fetch(data_dir, checksums, mirrors, timeout=5.0, system_dirs=(), say=lambda _: None):
-    return main.ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=system_dirs, say=say)
+def fetch_all(data_dir, checksums, mirrors, timeout=5.0, system_dirs=(), say=lambda _: None):
+    return fetch.ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=system_dirs, say=say)
 
 
 def data_files(data_dir):
@@ -40,15 +40,15 @@ def data_files(data_dir):
 def assert_all_verified(data_dir, checksums):
     assert data_files(data_dir) == sorted(f"{name}.gz" for name in checksums)
     for name, expected in checksums.items():
-        main.check_file((data_dir / f"{name}.gz").read_bytes(), name, expected)
+        fetch.check_file((data_dir / f"{name}.gz").read_bytes(), name, expected)
 
 
 def test_clean_download_then_no_request_on_rerun(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
-    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/good"])
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("good") == 4
-    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/good"])
     assert mirror.total("good") == 4  # the second run made no request at all
 
 
@@ -60,8 +60,8 @@ def test_clean_download_then_no_request_on_rerun(tmp_path, dataset, mirror):
 ])
 def test_bad_download_is_an_error_and_leaves_nothing(tmp_path, dataset, mirror, behaviour, message):
     _, checksums, _ = dataset
-    with pytest.raises(main.UsageError, match=message) as error:
-        fetch(tmp_path, checksums, [f"{mirror.url}/{behaviour}"])
+    with pytest.raises(common.UsageError, match=message) as error:
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/{behaviour}"])
     text = str(error.value)
     assert "train-images-idx3-ubyte" in text and f"{mirror.url}/{behaviour}" in text
     assert "--data-dir" in text and "dataset-fashion-mnist" in text  # says how to provide the data
@@ -70,8 +70,8 @@ def test_bad_download_is_an_error_and_leaves_nothing(tmp_path, dataset, mirror, 
 
 def test_checksum_error_names_expected_and_actual(tmp_path, dataset, mirror):
     _, checksums, files = dataset
-    with pytest.raises(main.UsageError) as error:
-        fetch(tmp_path, checksums, [f"{mirror.url}/corrupt"])
+    with pytest.raises(common.UsageError) as error:
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/corrupt"])
     corrupt = gzip.decompress(files["train-images-idx3-ubyte.gz"])[:-1] + b"\x01"
     assert checksums["train-images-idx3-ubyte"] in str(error.value)
     assert hashlib.sha256(corrupt).hexdigest() in str(error.value)
@@ -80,16 +80,16 @@ def test_checksum_error_names_expected_and_actual(tmp_path, dataset, mirror):
 def test_hanging_server_times_out_in_bounded_time(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
     started = time.monotonic()
-    with pytest.raises(main.UsageError, match=r"timed out.*after 3 attempts"):
-        fetch(tmp_path, checksums, [f"{mirror.url}/hang"], timeout=0.5)
+    with pytest.raises(common.UsageError, match=r"timed out.*after 3 attempts"):
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/hang"], timeout=0.5)
     assert time.monotonic() - started < 15  # 3 attempts of 0.5 s plus 1 s and 2 s of backoff
-    assert mirror.total("hang") == main.DOWNLOAD_RETRIES
+    assert mirror.total("hang") == fetch.DOWNLOAD_RETRIES
     assert data_files(tmp_path) == []
 
 
 def test_404_on_first_mirror_falls_through_to_second(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
-    fetch(tmp_path, checksums, [f"{mirror.url}/missing", f"{mirror.url}/good"])
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/missing", f"{mirror.url}/good"])
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("missing") == 4  # one request per file: a 404 is not retried
     assert mirror.total("good") == 4
@@ -97,17 +97,17 @@ def test_404_on_first_mirror_falls_through_to_second(tmp_path, dataset, mirror):
 
 def test_interrupted_download_then_successful_rerun(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
-    with pytest.raises(main.UsageError):
-        fetch(tmp_path, checksums, [f"{mirror.url}/cut"])
+    with pytest.raises(common.UsageError):
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/cut"])
     assert data_files(tmp_path) == []  # no partial file for the rerun to trust
-    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/good"])
     assert_all_verified(tmp_path, checksums)
 
 
 def test_corrupt_local_file_is_replaced_by_a_verified_download(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01garbage")
-    fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/good"])
     assert_all_verified(tmp_path, checksums)
 
 
@@ -118,24 +118,24 @@ def test_system_copy_is_used_without_any_request(tmp_path, dataset, mirror):
     for name, body in files.items():  # decompressed, as another packaging might ship them
         (system_dir / name.removesuffix(".gz")).write_bytes(gzip.decompress(body))
     data_dir = tmp_path / "data"
-    fetch(data_dir, checksums, [f"{mirror.url}/good"], system_dirs=[str(system_dir)])
+    fetch_all(data_dir, checksums, [f"{mirror.url}/good"], system_dirs=[str(system_dir)])
     assert sum(mirror.requests.values()) == 0
     assert data_files(data_dir) == sorted(checksums)
 
 
 def test_offline_error_lists_every_source(tmp_path, dataset):
     _, checksums, _ = dataset
-    with pytest.raises(main.UsageError) as error:
-        fetch(tmp_path / "data", checksums, [], system_dirs=[str(tmp_path / "nowhere")])
+    with pytest.raises(common.UsageError) as error:
+        fetch_all(tmp_path / "data", checksums, [], system_dirs=[str(tmp_path / "nowhere")])
     text = str(error.value)
     assert "no source has it" in text and str(tmp_path / "nowhere") in text and str(tmp_path / "data") in text
 
 
 def test_size_cap_stops_an_oversized_download(tmp_path, dataset, mirror, monkeypatch):
     _, checksums, _ = dataset
-    monkeypatch.setattr(main, "DOWNLOAD_MAX_BYTES", 100)
-    with pytest.raises(main.UsageError, match="byte cap"):
-        fetch(tmp_path, checksums, [f"{mirror.url}/good"])
+    monkeypatch.setattr(fetch, "DOWNLOAD_MAX_BYTES", 100)
+    with pytest.raises(common.UsageError, match="byte cap"):
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/good"])
     assert data_files(tmp_path) == []
 
 
@@ -143,13 +143,13 @@ def test_large_download_reports_progress(tmp_path, mirror):
     body = gzip.compress(bytes(range(256)) * (5 << 12), compresslevel=0)  # 5 MiB, over the progress threshold
     mirror.files["big.gz"] = body
     lines = []
-    assert main.download(f"{mirror.url}/good/big.gz", 5.0, say=lines.append) == body
+    assert fetch.download(f"{mirror.url}/good/big.gz", 5.0, say=lines.append) == body
     assert lines and lines[-1].endswith("5 of 5 MiB")
 
 
 def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
-    code = ("import sys, main; main.ensure_data(sys.argv[1], dict(a.split('=') for a in sys.argv[3:]), "
+    code = ("import sys; from fmnist import fetch; fetch.ensure_data(sys.argv[1], dict(a.split('=') for a in sys.argv[3:]), "
             "[sys.argv[2]], 5.0, system_dirs=())")
     args = [f"{name}={digest}" for name, digest in checksums.items()]
     jobs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"{mirror.url}/good", *args],
@@ -164,7 +164,7 @@ def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirro
     _, checksums, _ = dataset
     lines = []
     started = time.monotonic()
-    fetch(tmp_path, checksums, [f"{mirror.url}/trickle", f"{mirror.url}/good"], timeout=1.0, say=lines.append)
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/trickle", f"{mirror.url}/good"], timeout=1.0, say=lines.append)
     assert time.monotonic() - started < 20  # about 1 s per file on the trickle, where it would take hours
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("trickle") == 4  # given up at once, not retried
@@ -173,8 +173,8 @@ def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirro
 
 def test_trickle_alone_fails_with_its_rate_named(tmp_path, dataset, mirror):
     _, checksums, _ = dataset
-    with pytest.raises(main.UsageError, match=r"bytes/s after \d+ s, under the minimum of 16,384 bytes/s"):
-        fetch(tmp_path, checksums, [f"{mirror.url}/trickle"], timeout=1.0)
+    with pytest.raises(common.UsageError, match=r"bytes/s after \d+ s, under the minimum of 16,384 bytes/s"):
+        fetch_all(tmp_path, checksums, [f"{mirror.url}/trickle"], timeout=1.0)
     assert data_files(tmp_path) == []
 
 
@@ -182,6 +182,6 @@ def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):
     mirror.files["big.gz"] = bytes(4 << 20)  # 4 MiB at 320 KiB/s: 13 s, over any minimum rate
     started = time.monotonic()
     with pytest.raises(ConnectionError, match=r"not complete after 2 s .* over --download-deadline 1.5"):
-        main.download(f"{mirror.url}/steady/big.gz", 5.0, deadline=1.5)
+        fetch.download(f"{mirror.url}/steady/big.gz", 5.0, deadline=1.5)
     assert time.monotonic() - started < 5
     assert mirror.total("steady") == 1

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-import main
-from conftest import ROOT, job_env, read_summary, run_main, run_msrun, tiny_args, wait_for, write_dataset
+from fmnist import checkpoints, common
+from conftest import (ROOT, job_env, mlflow_server, read_summary, run_main, run_msrun, tiny_args, wait_for,
+                      write_dataset)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,7 +45,7 @@ def test_resume_refuses_other_settings_and_world_size_and_allows_the_free_ones(t
     assert first.returncode == 0, first.logs
     changed = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
                                            "--lr", "0.01", "--optimizer", "momentum"))
-    assert changed.returncode == main.EXIT_USAGE
+    assert changed.returncode == common.EXIT_USAGE
     error = [line for line in changed.stderr.splitlines() if "ERROR" in line]
     assert len(error) == 1, changed.stderr[-3000:]
     for difference in ("lr: was 0.1, now 0.01", "optimizer: was sgd, now momentum", "world_size: was 2, now 1",
@@ -70,8 +71,8 @@ def test_checkpoint_of_an_older_job_version_is_refused(tiny_data, tmp_path):
     ms.save_checkpoint(old_model, str(checkpoints / "epoch-0001.ckpt"), crc_check=True,
                        append_dict={"meta": json.dumps({"epoch": 1, "history": [], "loss_points": []})})
     result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"))
-    assert result.returncode == main.EXIT_USAGE
-    assert f"checkpoint format: was 1 (written by job 1.0.0), now {main.CHECKPOINT_FORMAT}" in result.stderr
+    assert result.returncode == common.EXIT_USAGE
+    assert f"checkpoint format: was 1 (written by job 1.0.0), now {checkpoints.CHECKPOINT_FORMAT}" in result.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
@@ -90,7 +91,7 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         started = time.monotonic()
         second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
         assert time.monotonic() - started < 30
-        assert second.returncode == main.EXIT_USAGE
+        assert second.returncode == common.EXIT_USAGE
         assert re.search(rf"--output-dir out is in use by the job on host \S+, pid {pid}, started 20\d\d-",
                          second.stderr), second.stderr[-2000:]
         by_run_sh = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
@@ -123,7 +124,7 @@ def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data
                                                              "--epochs", "2")],
                             cwd=tmp_path, env=job_env(WORKERS="2"), capture_output=True, text=True, timeout=300,
                             check=False)
-    assert result.returncode == main.EXIT_DIVERGED, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == common.EXIT_DIVERGED, result.stdout[-2000:] + result.stderr[-2000:]
     worker0 = (tmp_path / "out" / "logs" / "worker_0.log").read_text()
     assert re.search(r"training diverged: training loss (nan|inf) at step \d+ \(epoch 1\)\. Start again with a "
                      r"lower --lr \(now 1e\+08\)", worker0), worker0[-3000:]
@@ -217,30 +218,6 @@ def in_namespace(namespace, code, *args):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@contextlib.contextmanager
-def mlflow_server_in(namespace, directory):
-    """A real mlflow server in `namespace`, on the node's address; yields its URL."""
-    url = f"http://{NODE_ADDRESSES[0]}:5005"
-    log_file = open(directory / "mlflow-server.log", "wb")  # pylint: disable=consider-using-with
-    server = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "mlflow", "server", "--host",
-                               NODE_ADDRESSES[0], "--port", "5005", "--workers", "1", "--backend-store-uri",
-                               f"sqlite:///{directory / 'mlflow-server.db'}", "--artifacts-destination",
-                               str(directory / "mlflow-artifacts")], stdout=log_file, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    try:
-        probe = "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2); print(1)"
-        deadline = time.monotonic() + 120
-        while subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", probe, f"{url}/health"],
-                             capture_output=True, check=False).returncode != 0:
-            assert server.poll() is None and time.monotonic() < deadline, (directory / "mlflow-server.log").read_text()
-            time.sleep(1)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-        log_file.close()
-
-
 def start_node(namespace, node_rank, cwd, args, **environment):
     """run.sh as one node of a 2-node job: in its own network namespace, and as PID 1 of its own PID namespace,
     so that killing it kills everything the node runs, as losing the machine would."""
@@ -273,7 +250,8 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt")) == ["epoch-0001.ckpt"]
 
     # The rerun is tracked (tracking may change on resume), to a server on node 0 that both nodes reach.
-    with mlflow_server_in(two_hosts[0], tmp_path) as url:
+    with mlflow_server(tmp_path, host=NODE_ADDRESSES[0], port=5005,
+                       prefix=["ip", "netns", "exec", two_hosts[0]]) as (url, _):
         tracked = dict(MLFLOW_TRACKING_URI=url, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
         nodes = [start_node(name, rank, tmp_path, [*args, "--tracking", "on"], **tracked)
                  for rank, name in enumerate(two_hosts)]

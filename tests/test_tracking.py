@@ -1,6 +1,5 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1: what a 2-worker job records, and outages."""
 
-import contextlib
 import getpass
 import hashlib
 import json
@@ -12,52 +11,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-import main
-import numpy as np
-
-from conftest import ROOT, free_port, job_env, read_summary, run_main, run_msrun, tiny_args
+from fmnist import common, data, fetch, model, tracking
+from conftest import (ROOT, free_port, job_env, mlflow_server, read_summary, run_main, run_msrun, tiny_args,
+                      wait_until_up)
 
 pytestmark = pytest.mark.timeout(600)
 EPOCHS = 2
 REGISTERED = "fashion-mnist-lenet-test"
-
-
-def wait_until_up(url, process, log_path, timeout=120):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up: {log_path.read_text()[-2000:]}")
-        time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def mlflow_server(directory):
-    """A real tracking server with its own SQLite store and proxied artifact store, stopped afterwards."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
-           "--artifacts-destination", str(directory / "artifacts"), "--workers", "1"]
-    log_file = open(directory / "server.log", "wb")  # pylint: disable=consider-using-with
-    server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(f"{url}/health", server, directory / "server.log")
-        yield url, server
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log_file.close()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +52,7 @@ def test_one_run_with_the_jobs_parameters_and_tags(tracked_run):
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert (params["world_size"], params["device"], params["amp_level"], params["seed"]) == ("2", "CPU", "O0", "42")
-    assert params["mindspore_version"] and params["job_version"] == main.JOB_VERSION
+    assert params["mindspore_version"] and params["job_version"] == common.JOB_VERSION
     assert params["global_batch_size"] == "32" and params["batch_size"] == "16"
     assert (run.data.tags["device"], run.data.tags["world_size"]) == ("CPU", "2")
 
@@ -135,7 +98,7 @@ def test_trained_model_is_the_runs_mlflow_model_with_signature_example_and_pins(
     url, directory, _ = tracked_job
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # for this test only: later ones pick their own servers
     info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
-    assert info.flavors["python_function"]["loader_module"] == "main"
+    assert info.flavors["python_function"]["loader_module"] == "fmnist.serving"
     assert [(spec.type, spec.shape) for spec in info.signature.inputs.inputs] == [(np.dtype("uint8"), (-1, 28, 28))]
     assert info.signature.outputs.input_names() == ["class_index", "class_name", "probabilities"]
     assert info.saved_input_example_info is not None
@@ -174,7 +137,7 @@ def test_mlflow_models_serve_answers_as_the_job_predicts(tracked_run, tracked_jo
                               cwd=directory, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         wait_until_up(f"http://127.0.0.1:{port}/ping", server, directory / "serve.log")
-        images = main.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))[:24]
+        images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))[:24]
         request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
                                          data=json.dumps({"inputs": images.tolist()}).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -184,11 +147,11 @@ def test_mlflow_models_serve_answers_as_the_job_predicts(tracked_run, tracked_jo
         server.terminate()
         server.wait(timeout=30)
         log_file.close()
-    net = main.LeNet()
+    net = model.LeNet()
     ms.load_param_into_net(net, ms.load_checkpoint(str(directory / "out" / "model.ckpt")))
-    expected = net(ms.Tensor(main.to_model_input(images))).asnumpy().argmax(axis=1)
+    expected = net(ms.Tensor(data.to_model_input(images))).asnumpy().argmax(axis=1)
     assert [p["class_index"] for p in predictions] == expected.tolist()
-    assert [p["class_name"] for p in predictions] == [main.CLASS_NAMES[c] for c in expected]
+    assert [p["class_name"] for p in predictions] == [data.CLASS_NAMES[c] for c in expected]
     assert all(len(p["probabilities"]) == 10 and abs(sum(p["probabilities"]) - 1) < 1e-6 for p in predictions)
 
 
@@ -263,7 +226,7 @@ def test_server_lost_mid_run_ends_tracking_with_a_warning(tmp_path, caplog):
     with mlflow_server(tmp_path) as (url, server):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MLFLOW_TRACKING_URI", url)
-            tracker = main.MlflowTracker("mid-run", "lost", {"lr": 0.1}, {"device": "CPU"}, finish_timeout=60)
+            tracker = tracking.MlflowTracker("mid-run", "lost", {"lr": 0.1}, {"device": "CPU"}, finish_timeout=60)
             tracker.log_metrics({"train_loss": 1.0}, step=1)
             run_id = tracker.run_id
             assert run_id

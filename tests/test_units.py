@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 import main
+from fmnist import common, data, device, distributed, fetch, metrics, model, monitor, settings, tracking
 from conftest import idx_bytes, make_split
 
 
 def test_parse_idx_reads_plain_and_gzipped():
     images, _ = make_split(5, seed=1)
     for raw in (idx_bytes(images), gzip.compress(idx_bytes(images))):
-        np.testing.assert_array_equal(main.parse_idx(raw), images)
+        np.testing.assert_array_equal(fetch.parse_idx(raw), images)
 
 
 @pytest.mark.parametrize("mangle, message", [
@@ -26,12 +27,12 @@ def test_parse_idx_reads_plain_and_gzipped():
 def test_parse_idx_rejects_malformed_files(mangle, message):
     raw = idx_bytes(np.zeros((3, 4, 4), np.uint8))
     with pytest.raises(ValueError, match=message):
-        main.parse_idx(mangle(raw), "f")
+        fetch.parse_idx(mangle(raw), "f")
 
 
 def test_to_model_input_rescales_and_moves_channels_first():
     images = np.arange(2 * 28 * 28, dtype=np.uint64).reshape(2, 28, 28) % 256
-    out = main.to_model_input(images.astype(np.uint8))
+    out = data.to_model_input(images.astype(np.uint8))
     assert out.shape == (2, 1, 28, 28) and out.dtype == np.float32
     np.testing.assert_allclose(out[:, 0], images / 255.0, rtol=1e-6)
     assert out.flags["C_CONTIGUOUS"]
@@ -40,19 +41,19 @@ def test_to_model_input_rescales_and_moves_channels_first():
 def test_to_model_input_converts_hwc_color_to_chw():
     images = np.zeros((1, 28, 28, 3), np.uint8)
     images[..., 2] = 255  # only the third channel lit
-    out = main.to_model_input(images)
+    out = data.to_model_input(images)
     assert out.shape == (1, 3, 28, 28)
     assert out[0, 2].min() == 1.0 and out[0, :2].max() == 0.0
 
 
 def test_to_model_input_resizes_other_sizes_to_28():
-    out = main.to_model_input(np.full((2, 14, 14), 255, np.uint8))
+    out = data.to_model_input(np.full((2, 14, 14), 255, np.uint8))
     assert out.shape == (2, 1, 28, 28)
     np.testing.assert_allclose(out, 1.0)
 
 
 def test_one_hot():
-    out = main.one_hot(np.array([0, 9, 3], np.uint8))
+    out = data.one_hot(np.array([0, 9, 3], np.uint8))
     assert out.dtype == np.float32 and out.shape == (3, 10)
     np.testing.assert_array_equal(out.argmax(1), [0, 9, 3])
     np.testing.assert_array_equal(out.sum(1), 1.0)
@@ -62,14 +63,14 @@ def test_cross_entropy_matches_definition_and_is_stable():
     logits = np.array([[2.0, 1.0, 0.1], [1000.0, 0.0, -1000.0]])
     labels = np.array([[1.0, 0, 0], [0, 1.0, 0]])
     expected0 = -np.log(np.exp(2.0) / np.exp(logits[0]).sum())
-    out = main.cross_entropy(logits, labels)
+    out = metrics.cross_entropy(logits, labels)
     np.testing.assert_allclose(out, [expected0, 1000.0])
 
 
 def test_correct_predictions():
     logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
     labels = np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
-    np.testing.assert_array_equal(main.correct_predictions(logits, labels), [1, 0, 1])
+    np.testing.assert_array_equal(metrics.correct_predictions(logits, labels), [1, 0, 1])
 
 
 class FakeCollective:
@@ -92,7 +93,7 @@ class FakeTensor:
 
 def test_global_mean_weights_every_sample_once_across_ranks():
     # This rank: 2 samples, 1 correct. The other rank: 3 samples, 3 correct -> 4/5, not mean(0.5, 1.0).
-    metric = main.GlobalMean(main.correct_predictions, FakeCollective([3.0, 3.0]))
+    metric = metrics.GlobalMean(metrics.correct_predictions, FakeCollective([3.0, 3.0]))
     metric.update(FakeTensor([[0.9, 0.1], [0.9, 0.1]]), FakeTensor([[1.0, 0.0], [0.0, 1.0]]))
     assert metric.eval() == pytest.approx(0.8)
     metric.clear()
@@ -103,13 +104,13 @@ def test_global_mean_weights_every_sample_once_across_ranks():
 def test_settings_come_from_flags_then_environment(monkeypatch):
     monkeypatch.setenv("BATCH_SIZE", "32")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "exp-from-env")
-    cfg = main.parse_config(["--epochs", "3"])
+    cfg = settings.parse_config(["--epochs", "3"])
     assert (cfg.epochs, cfg.batch_size, cfg.experiment, cfg.lr) == (3, 32, "exp-from-env", 0.1)
-    assert main.parse_config(["--batch-size", "8"]).batch_size == 8  # a flag beats the environment
+    assert settings.parse_config(["--batch-size", "8"]).batch_size == 8  # a flag beats the environment
 
 
 def test_every_flag_is_documented_with_its_environment_variable():
-    parser = main.build_parser()
+    parser = settings.build_parser()
     for action in parser._actions:  # pylint: disable=protected-access
         if action.option_strings and action.dest != "help":
             assert action.help and "[" in action.help, action.option_strings
@@ -121,41 +122,41 @@ def test_every_flag_is_documented_with_its_environment_variable():
     (["--momentum", "1.5"], "--momentum must be in"),
 ])
 def test_bad_settings_are_usage_errors(argv, message):
-    with pytest.raises(main.UsageError, match=message):
-        main.parse_config(argv)
+    with pytest.raises(common.UsageError, match=message):
+        settings.parse_config(argv)
 
 
 def test_bad_environment_value_exits_with_usage_status(monkeypatch, capsys):
     monkeypatch.setenv("EPOCHS", "ten")
     with pytest.raises(SystemExit) as exit_info:
-        main.parse_config([])
-    assert exit_info.value.code == main.EXIT_USAGE
+        settings.parse_config([])
+    assert exit_info.value.code == common.EXIT_USAGE
     assert "--epochs: invalid int value: 'ten'" in capsys.readouterr().err
 
 
 def test_main_reports_bad_setting_in_one_line(capsys):
-    assert main.main(["--batch-size", "0"]) == main.EXIT_USAGE
+    assert main.main(["--batch-size", "0"]) == common.EXIT_USAGE
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--batch-size must be positive" in err
 
 
 def test_amp_auto_is_o2_on_ascend_only():
-    assert main.resolve_amp("auto", "Ascend") == "O2"
-    assert main.resolve_amp("auto", "CPU") == "O0"
-    assert main.resolve_amp("O1", "CPU") == "O1"
+    assert settings.resolve_amp("auto", "Ascend") == "O2"
+    assert settings.resolve_amp("auto", "CPU") == "O0"
+    assert settings.resolve_amp("O1", "CPU") == "O1"
 
 
 def test_checksums_file_must_cover_all_four_files(tmp_path):
     path = tmp_path / "sums"
     path.write_text("ab  train-images-idx3-ubyte.gz\n")
-    with pytest.raises(main.UsageError, match="no checksum for t10k-images-idx3-ubyte"):
-        main.load_checksums(str(path))
-    assert main.load_checksums("") == main.FASHION_MNIST_SHA256
+    with pytest.raises(common.UsageError, match="no checksum for t10k-images-idx3-ubyte"):
+        fetch.load_checksums(str(path))
+    assert fetch.load_checksums("") == fetch.FASHION_MNIST_SHA256
 
 
 def test_lenet_is_the_articles_layers_and_parameter_count():
     import mindspore as ms  # pylint: disable=import-outside-toplevel
-    net = main.LeNet()
+    net = model.LeNet()
     shapes = {p.name: p.shape for p in net.trainable_params()}
     assert shapes == {
         "features.0.weight": (6, 1, 5, 5), "features.0.bias": (6,),
@@ -171,63 +172,63 @@ def test_lenet_is_the_articles_layers_and_parameter_count():
 
 
 def test_weights_fingerprint_changes_with_any_weight():
-    net = main.LeNet()
-    before = main.weights_fingerprint(net)
+    net = model.LeNet()
+    before = distributed.weights_fingerprint(net)
     param = net.trainable_params()[-1]
     param.set_data(param + 1e-6)
-    assert before.dtype == np.int32 and not np.array_equal(before, main.weights_fingerprint(net))
+    assert before.dtype == np.int32 and not np.array_equal(before, distributed.weights_fingerprint(net))
 
 
 def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
     images, labels = np.arange(100).reshape(100, 1), np.arange(100)
-    shards = [main.ShardBatches(images, labels, 8, rank, 3, seed=7) for rank in range(3)]
+    shards = [data.ShardBatches(images, labels, 8, rank, 3, seed=7) for rank in range(3)]
     assert [len(s) for s in shards] == [4, 4, 4]  # 100 // (8 * 3) whole batches per rank
     first = [np.concatenate([y for _, y in shard]) for shard in shards]
     seen = np.concatenate(first)
     assert len(seen) == len(set(seen.tolist())) == 96  # no sample twice; the remainder is dropped
     second = np.concatenate([y for _, y in shards[0]])
     assert not np.array_equal(first[0], second)  # a new order every epoch
-    resumed = main.ShardBatches(images, labels, 8, 0, 3, seed=7, first_epoch=1)
+    resumed = data.ShardBatches(images, labels, 8, 0, 3, seed=7, first_epoch=1)
     np.testing.assert_array_equal(np.concatenate([y for _, y in resumed]), second)  # same order after resume
-    for x, y in main.ShardBatches(images, labels, 8, 1, 3, seed=7):
+    for x, y in data.ShardBatches(images, labels, 8, 1, 3, seed=7):
         np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
 
 
 def test_workers_get_disjoint_shares_of_the_cores():
     cores = list(range(8))
-    assert [main.worker_cores(cores, rank, 2) for rank in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [main.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    assert [main.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
-    assert main.worker_cores([5], 0, 1) == [5]
+    assert [device.worker_cores(cores, rank, 2) for rank in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [device.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [device.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
+    assert device.worker_cores([5], 0, 1) == [5]
 
 
 def test_usable_cores_follow_the_cgroup_quota(monkeypatch, tmp_path):
-    monkeypatch.setattr(main.os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: set(range(16)))
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("250000 100000\n")  # a limit of 2.5 CPUs
-    assert main.usable_cores(cpu_max) == [0, 1, 2]
+    assert device.usable_cores(cpu_max) == [0, 1, 2]
     cpu_max.write_text("max 100000\n")
-    assert main.usable_cores(cpu_max) == list(range(16))
-    assert main.usable_cores(tmp_path / "absent") == list(range(16))
+    assert device.usable_cores(cpu_max) == list(range(16))
+    assert device.usable_cores(tmp_path / "absent") == list(range(16))
 
 
 def test_onednn_isa_cap_defaults_to_avx2_on_x86_and_a_users_value_wins():
     environ = {}
-    assert main.cap_onednn_isa(environ, machine="x86_64") == "AVX2"
+    assert device.cap_onednn_isa(environ, machine="x86_64") == "AVX2"
     assert environ == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
-    for name in main.ONEDNN_ISA_VARS:
+    for name in device.ONEDNN_ISA_VARS:
         environ = {name: "AVX512_CORE"}
-        assert main.cap_onednn_isa(environ, machine="x86_64") == "AVX512_CORE"
+        assert device.cap_onednn_isa(environ, machine="x86_64") == "AVX512_CORE"
         assert environ == {name: "AVX512_CORE"}  # untouched
     environ = {}
-    assert main.cap_onednn_isa(environ, machine="aarch64") is None and environ == {}
+    assert device.cap_onednn_isa(environ, machine="aarch64") is None and environ == {}
 
 
 def test_cpu_description_reads_model_and_isa_flags(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f amx_tile\n\n"
                        "processor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
-    assert main.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
+    assert device.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
 
 
 @pytest.mark.parametrize("requested, amp, device, expected", [
@@ -239,18 +240,18 @@ def test_cpu_description_reads_model_and_isa_flags(tmp_path):
     ("dynamic", "O3", "Ascend", "dynamic"),
 ])
 def test_loss_scaling_resolves_per_level_and_device(requested, amp, device, expected):
-    assert main.resolve_loss_scale(requested, amp, device) == expected
+    assert settings.resolve_loss_scale(requested, amp, device) == expected
 
 
 def test_dynamic_loss_scaling_is_refused_on_cpu_in_one_line(capsys):
-    assert main.main(["--loss-scale", "dynamic", "--device", "CPU"]) == main.EXIT_USAGE
+    assert main.main(["--loss-scale", "dynamic", "--device", "CPU"]) == common.EXIT_USAGE
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no dynamic loss scaling on CPU" in err and "--loss-scale none" in err
 
 
 def test_loss_scale_must_be_a_mode_or_a_positive_number():
-    with pytest.raises(main.UsageError, match="--loss-scale must be"):
-        main.parse_config(["--loss-scale", "-8"])
+    with pytest.raises(common.UsageError, match="--loss-scale must be"):
+        settings.parse_config(["--loss-scale", "-8"])
 
 
 class FakeRunContext:
@@ -261,7 +262,7 @@ class FakeRunContext:
         return self.args
 
 
-class RecordingTracker(main.NullTracker):
+class RecordingTracker(tracking.NullTracker):
     def __init__(self):
         self.logged = []
 
@@ -274,18 +275,18 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     them; the cell itself needs an Ascend device."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     tracker = RecordingTracker()
-    monitor = main.TrainingMonitor(main.Collective(0, 0, 1), tracker, epochs=1, global_batch=8, log_interval=2,
+    progress = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, global_batch=8, log_interval=2,
                                    started=0.0)
-    monitor.on_train_epoch_begin(None)
+    progress.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
-        monitor.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
+        progress.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
     assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
         (2, 1, 32768.0), (4, 3, 16384.0)]
-    assert monitor.skipped_steps == 3
+    assert progress.skipped_steps == 3
 
 
 def test_run_page_is_the_ui_link_for_a_server_and_the_store_otherwise():
-    assert main.run_page("http://host:5000/", "3", "abc") == \
+    assert tracking.run_page("http://host:5000/", "3", "abc") == \
         "http://host:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
-    assert main.run_page("sqlite:///mlflow.db", "3", "abc") == "sqlite:///mlflow.db"
+    assert tracking.run_page("sqlite:///mlflow.db", "3", "abc") == "sqlite:///mlflow.db"

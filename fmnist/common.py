@@ -1,0 +1,94 @@
+"""What every stage shares: exit codes, the one error type for bad input, logging, and files written whole."""
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+
+JOB_VERSION = "1.0.0"
+EXIT_USAGE = 2  # bad settings or data: retrying the same pod cannot help (see k8s-job.yaml podFailurePolicy)
+EXIT_DIVERGED = 3  # the loss went non-finite: a retry with the same settings diverges again (podFailurePolicy too)
+
+log = logging.getLogger("fashion-mnist")
+
+
+class UsageError(Exception):
+    """A setting or the data is wrong; the message says what and how to fix it."""
+
+
+def configure_logging(rank):
+    logging.basicConfig(level=logging.INFO, force=True, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix=""):
+    """A temporary name beside `path` for any writer, renamed to `path` when the block succeeds and removed
+    when it fails: `path` is absent or complete, never half-written. `suffix` is for writers that insist on
+    one (MindSpore's checkpoint and MindIR writers); the random part is letters and digits."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path, data):
+    """Write bytes to `path` whole, flushed to disk before the rename."""
+    with atomic_path(path) as tmp, open(tmp, "xb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def write_json(path, data):
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def output_dir_holder(output_dir):
+    """Who holds `output_dir` (the text of its .lock), or None when no job does."""
+    lock = Path(output_dir) / ".lock"
+    try:
+        with open(lock, "r", encoding="utf-8") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return None
+            except BlockingIOError:
+                return probe.read().strip() or "another job"
+    except FileNotFoundError:
+        return None
+
+
+def lock_output_dir(output_dir):
+    """Make `output_dir` this job's: an exclusive flock on output_dir/.lock, whose text names the holder.
+
+    flock, because the kernel releases it when the holder dies however it dies (kill -9, OOM), so a restart
+    is never blocked by a stale lock; NFS clients map it onto NFS byte-range locks, which the server drops
+    when the client's lease lapses. Returns the open lock file, to be kept for the job's lifetime.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.fdopen(os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "another job"
+        lock.close()
+        raise UsageError(in_use(output_dir, holder)) from None
+    lock.truncate(0)
+    lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+    lock.flush()
+    return lock
+
+
+def in_use(output_dir, holder):
+    return f"--output-dir {output_dir} is in use by {holder}; wait for that job to end, or give another --output-dir"

@@ -1,0 +1,107 @@
+"""Data parallelism across the msrun job: joining it, the collectives the job needs, the replicas' weight check,
+and the agreement by which every rank stops at the same step on SIGTERM."""
+
+import hashlib
+import os
+import signal
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, ops
+from mindspore.communication import get_group_size, get_rank, init
+
+GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def init_distributed():
+    """Join the msrun job if there is one; returns (rank, local_rank, world_size), (0, 0, 1) for a lone
+    process. msrun numbers the workers of each node from 0 in DEVICE_ID."""
+    if "MS_ROLE" not in os.environ:
+        return 0, 0, 1
+    # The backend follows the device: HCCL on Ascend, MindSpore's CPU collective (mccl) on CPU.
+    # msrun's scheduler process never returns from here, which is why nothing costly happens before it.
+    init()
+    world_size = get_group_size()
+    # Averaged gradients, in one fused all-reduce for all of LeNet's gradients (240 KB) instead of one per
+    # parameter.
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 device_num=world_size, comm_fusion=GRADIENT_FUSION)
+    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size
+
+
+class Collective:
+    """The two collectives the job needs, for any world size, on numpy arrays, and who does what: rank 0
+    writes the job's results, each node's first worker makes the data available on its node.
+
+    AllGather is used for reductions too because on CPU AllReduce only takes float32, and the gathered
+    rows also give the per-rank view for free.
+    """
+
+    def __init__(self, rank, local_rank, world_size):
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.is_local_main = local_rank == 0
+        self._gather = ops.AllGather() if world_size > 1 else None
+
+    def all_gather(self, array):
+        """Rows of every rank, stacked: shape (world_size, *array.shape)."""
+        array = np.asarray(array)
+        if self._gather is None:
+            return array[None]
+        return self._gather(Tensor(array[None])).asnumpy()
+
+    def barrier(self):
+        if self.world_size > 1:
+            ops.communication.barrier()
+
+    def broadcast_text(self, text, length=64):
+        """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
+        codes = np.zeros(length, dtype=np.int32)
+        codes[:len(text or "")] = list((text or "").encode("ascii"))
+        return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
+
+
+def weights_fingerprint(net):
+    """SHA-256 of every parameter's bytes in a fixed order, as 8 int32 for a collective."""
+    digest = hashlib.sha256()
+    for param in sorted(net.trainable_params(), key=lambda p: p.name):
+        digest.update(param.name.encode())
+        digest.update(param.asnumpy().tobytes())
+    return np.frombuffer(digest.digest(), dtype=np.int32)
+
+
+def replicas_identical(collective, net):
+    """Whether every rank ends with bit-identical weights, and each rank's fingerprint. A collective."""
+    fingerprints = collective.all_gather(weights_fingerprint(net))
+    return bool((fingerprints == fingerprints[0]).all()), fingerprints
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGINT asked the job to stop; every rank stops at the same step."""
+
+    def __init__(self, signum, step):
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
+        self.signum, self.step = signum, step
+
+
+class StopRequest:
+    """Turns SIGTERM and SIGINT during training into a request that the ranks agree on at the next log
+    interval (a rank stopping alone would leave the others waiting in a collective). Outside training the
+    signals keep their default effect: the process ends at once, and everything it writes is atomic."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def __enter__(self):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc_info):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    def _record(self, signum, frame):
+        self.signum = signum

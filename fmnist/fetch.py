@@ -1,0 +1,220 @@
+"""Getting the four IDX files into the data directory, verified, from the first source that has them: a copy
+already there, a system copy (Debian's dataset-fashion-mnist), or a download from a mirror. No MindSpore."""
+
+import functools
+import gzip
+import hashlib
+import math
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import filelock
+import numpy as np
+
+from . import common
+
+# SHA-256 of the decompressed IDX files of the official release. Hashing the content rather than the .gz
+# accepts re-compressed copies such as Debian's dataset-fashion-mnist package.
+FASHION_MNIST_SHA256 = {
+    "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+    "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+    "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+    "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+}
+SYSTEM_DATA_DIRS = ("/usr/share/datasets/fashion-mnist",)  # Debian/Ubuntu package dataset-fashion-mnist
+DOWNLOAD_RETRIES = 3
+# A transfer slower than this on average, once it has run --download-timeout seconds, is a trickle: a proxy or
+# mirror that would otherwise hold the job for days, one byte per read timeout. The official mirror gives MB/s.
+DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
+DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
+GZIP_MAGIC = b"\x1f\x8b"
+IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
+
+
+def parse_idx(raw, name="IDX data"):
+    """Decode an IDX file of unsigned bytes (gzipped or not) into an array; reject anything malformed."""
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
+    if len(raw) < 8:
+        raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
+    magic = int.from_bytes(raw[:4], "big")
+    ndim = raw[3]
+    if IDX_MAGIC.get(ndim) != magic:
+        raise ValueError(f"{name}: magic number 0x{magic:08x} is not an IDX file of unsigned bytes "
+                         f"(expected 0x{IDX_MAGIC[1]:08x} or 0x{IDX_MAGIC[3]:08x})")
+    header = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    if len(raw) != header + math.prod(shape):
+        raise ValueError(f"{name}: header says shape {shape} ({header + math.prod(shape)} bytes) "
+                         f"but the file has {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load_checksums(path):
+    """Expected SHA-256 per IDX file: the pinned official ones, or a sha256sum-style file's."""
+    if not path:
+        return dict(FASHION_MNIST_SHA256)
+    try:
+        lines = Path(path).read_text().split("\n")
+    except OSError as exc:
+        raise common.UsageError(f"--checksums-file {path}: cannot read it ({exc.strerror})") from None
+    sums = {}
+    for line in filter(None, (line.strip() for line in lines)):
+        digest, _, name = line.partition(" ")
+        sums[name.strip().lstrip("*").removesuffix(".gz")] = digest.lower()
+    missing = sorted(set(FASHION_MNIST_SHA256) - set(sums))
+    if missing:
+        raise common.UsageError(f"--checksums-file {path}: no checksum for {', '.join(missing)}; "
+                                "write one line '<sha256>  <file name>' per IDX file")
+    return sums
+
+
+def check_file(raw, name, expected_sha256):
+    """Raise ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
+    parse_idx(raw, name)
+    actual = hashlib.sha256(gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).hexdigest()
+    if actual != expected_sha256:
+        raise ValueError(f"{name}: SHA-256 of the content is {actual}, expected {expected_sha256}")
+
+
+def local_copy(directory, name):
+    """The file for `name` in `directory` (.gz or decompressed), or None."""
+    for candidate in (Path(directory) / f"{name}.gz", Path(directory) / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+class TooSlow(ConnectionError):
+    """A transfer that trickles or outlasts its deadline: another attempt at the same mirror would too."""
+
+
+def check_pace(url, size, started, timeout, deadline):
+    elapsed = time.monotonic() - started
+    if elapsed > deadline:
+        raise TooSlow(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
+                      f"{deadline:g}")
+    if elapsed > timeout and size / elapsed < DOWNLOAD_MIN_BYTES_PER_S:
+        raise TooSlow(f"{url}: {size / elapsed:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
+                      f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
+
+
+def download(url, timeout, say=print, deadline=600.0):
+    """Bytes at `url`, with retries on transient failures, a size cap, a progress line for big files, and
+    bounded time: `timeout` per read, `deadline` in all, and a minimum average rate.
+
+    urllib3's Retry would cover the retries of the request itself, but not a body cut or stalled half-way,
+    which is where the size, rate and deadline bounds act; one loop here covers both.
+    """
+    for attempt in range(1, DOWNLOAD_RETRIES + 1):
+        try:
+            started = time.monotonic()
+            with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
+                total = int(response.headers.get("Content-Length") or 0)
+                if total > DOWNLOAD_MAX_BYTES:
+                    raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
+                chunks, size, shown = [], 0, 0
+                # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
+                while chunk := response.read1(1 << 20):
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    check_pace(url, size, started, timeout, deadline)
+                    if size > DOWNLOAD_MAX_BYTES:
+                        raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
+                    if total > (4 << 20) and size * 10 // total > shown:
+                        shown = size * 10 // total
+                        say(f"downloading {url}: {size >> 20} of {total >> 20} MiB")
+                if total and size != total:
+                    raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
+                return b"".join(chunks)
+        except TooSlow:
+            raise
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or attempt == DOWNLOAD_RETRIES:  # 4xx will not change on retry
+                raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as exc:
+            if attempt == DOWNLOAD_RETRIES:
+                reason = getattr(exc, "reason", exc)
+                raise ConnectionError(f"{url}: {reason} (after {attempt} attempts)") from None
+        time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
+    raise AssertionError("unreachable")
+
+
+def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0):
+    """Make a verified copy of one IDX file exist in data_dir, from the first source that has one; returns
+    where it came from: the URL for a mirror, the directory for a local copy."""
+    data_dir = Path(data_dir)
+    failures = []
+    present = local_copy(data_dir, name)
+    if present:
+        try:
+            check_file(present.read_bytes(), str(present), expected)
+            return str(data_dir.resolve())  # another job sharing the data dir fetched it meanwhile
+        except ValueError as exc:
+            failures.append(str(exc))
+            say(f"warning: {exc}; fetching it again")
+
+    def from_dir(directory):
+        path = local_copy(directory, name)
+        return (path.read_bytes(), data_dir / path.name, str(Path(directory).resolve())) if path else None
+
+    def from_mirror(url):
+        url = f"{url.rstrip('/')}/{name}.gz"
+        return download(url, timeout, say, deadline), data_dir / f"{name}.gz", url
+
+    sources = [(str(Path(d).resolve()), functools.partial(from_dir, d)) for d in system_dirs]
+    sources += [(url, functools.partial(from_mirror, url)) for url in mirrors]
+    for source, get in sources:
+        try:
+            got = get()
+            if got is None:
+                continue
+            raw, target, origin = got
+            check_file(raw, f"{name} from {source}", expected)
+        except (ValueError, ConnectionError, OSError) as exc:
+            failures.append(str(exc))
+            continue
+        if present and present != target:
+            present.unlink()  # the bad copy would shadow or confuse the good one
+        common.write_atomic(target, raw)
+        say(f"{name}: verified copy from {source}")
+        return origin
+    raise common.UsageError(
+        f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
+        f"{', '.join(map(str, [data_dir, *system_dirs, *mirrors]))}. Provide the data with --data-dir "
+        "pointing at the four IDX files, install the dataset-fashion-mnist package, or add a reachable "
+        "--data-mirrors URL")
+
+
+def is_verified(data_dir, name, expected):
+    present = local_copy(data_dir, name)
+    try:
+        return present is not None and check_file(present.read_bytes(), name, expected) is None
+    except (ValueError, OSError):
+        return False
+
+
+def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
+    """Make the four verified IDX files exist in data_dir; no network request when they already do. Returns
+    where each came from: {name: the data dir, a system directory, or the mirror URL}."""
+    data_dir = Path(data_dir)
+    sources = {name: str(data_dir.resolve()) for name in checksums if is_verified(data_dir, name, checksums[name])}
+    missing = [name for name in checksums if name not in sources]
+    if not missing:
+        return sources  # complete: works on a read-only data dir, such as one baked into an image
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
+        with filelock.FileLock(data_dir / ".lock"):
+            for name in missing:
+                sources[name] = fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say,
+                                           deadline)
+    except OSError as exc:
+        raise common.UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None
+    return sources

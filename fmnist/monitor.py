@@ -1,0 +1,121 @@
+"""The training callback every rank runs: it measures the job's figures (the gathers are collectives), prints
+them and hands them to the tracker on rank 0, and stops every rank together on divergence or SIGTERM."""
+
+import math
+import time
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import ops
+from mindspore.train import Callback
+
+from . import distributed
+from .common import log
+
+
+class Diverged(Exception):
+    """The training loss stopped being finite."""
+
+
+class TrainingMonitor(Callback):
+    """Measures the job's figures on every rank (the gathers are collectives), prints them on rank 0 and
+    hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
+    per-epoch validation loss and accuracy over the full test set."""
+
+    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None,
+                 stop=None):
+        super().__init__()
+        self.collective, self.tracker = collective, tracker
+        self.stop = stop or distributed.StopRequest()
+        self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
+        self.started = started
+        self.first_step_s = None
+        # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
+        self.epoch_history = list(resumed["history"]) if resumed else []
+        # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
+        self.loss_points = [tuple(p) for p in resumed["loss_points"]] if resumed else []
+        self.confusion = None
+        self._loss_sum, self._loss_steps = None, 0
+        # Under dynamic loss scaling: steps skipped for overflowed gradients, and the current scale.
+        self._overflows, self._loss_scale, self.skipped_steps = None, None, 0
+        self._train_s = None  # set when validation starts, so training time excludes it
+
+    def on_train_epoch_begin(self, run_context):
+        self._epoch_start = self._interval_start = time.perf_counter()
+        self._epoch_steps = self._interval_steps = 0
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        outputs = cb.net_outputs if isinstance(cb.net_outputs, (tuple, list)) else (cb.net_outputs,)
+        # Summing on the device keeps the host from waiting on each step; it is read once per interval.
+        self._loss_sum = outputs[0] if self._loss_sum is None else self._loss_sum + outputs[0]
+        if len(outputs) == 3:  # dynamic loss scaling's cell returns (loss, overflowed, scale)
+            overflowed = ops.cast(outputs[1], ms.int32)
+            self._overflows = overflowed if self._overflows is None else self._overflows + overflowed
+            self._loss_scale = outputs[2]
+        self._loss_steps += 1
+        self._epoch_steps += 1
+        self._interval_steps += 1
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started
+            if self.collective.is_main:
+                log.info("first step done %.1f s after start", self.first_step_s)
+        step = (cb.cur_epoch_num - 1) * cb.batch_num + self._epoch_steps  # counts on across a resume
+        if step % self.log_interval == 0:
+            self._report_interval(cb, step)
+
+    def _report_interval(self, cb, step):
+        # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
+        gathered = self.collective.all_gather(
+            np.array([float(self._loss_sum.asnumpy()) / self._loss_steps, self.stop.signum], dtype=np.float64))
+        per_rank, stop_signals = gathered[:, 0], gathered[:, 1]
+        self._loss_sum, self._loss_steps = None, 0
+        if not np.isfinite(per_rank).all():
+            raise Diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
+        if stop_signals.any():
+            raise distributed.Terminated(int(stop_signals.max()), step)
+        now = time.perf_counter()
+        rate = self._interval_steps * self.global_batch / (now - self._interval_start)
+        self._interval_start, self._interval_steps = now, 0
+        if self.collective.is_main:
+            log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
+                     self._epoch_steps, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
+            metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
+            metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
+            if self._loss_scale is not None:
+                self.skipped_steps += int(self._overflows.asnumpy())
+                metrics.update({"loss_scale": float(self._loss_scale.asnumpy()), "skipped_steps": self.skipped_steps})
+                self._overflows = None
+            self.tracker.log_metrics(metrics, step=step)
+            self.loss_points.append((step / cb.batch_num, float(per_rank.mean())))
+
+    def on_eval_begin(self, run_context):
+        self._train_s = time.perf_counter() - self._epoch_start
+        self._eval_start = time.perf_counter()
+
+    def on_train_epoch_end(self, run_context):
+        cb = run_context.original_args()
+        if self._train_s is None:  # no validation this epoch
+            self._train_s = time.perf_counter() - self._epoch_start
+        eval_s = time.perf_counter() - self._eval_start if "metrics" in cb else 0.0
+        figures = {"epoch": cb.cur_epoch_num, "train_s": self._train_s, "eval_s": eval_s,
+                   "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
+        metrics = cb.get("metrics", {})
+        figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
+        self.confusion = metrics.get("confusion", self.confusion)
+        self._train_s = None
+        # The same figure on every rank; checked before this epoch's checkpoint is written.
+        if not math.isfinite(figures.get("val_loss", 0.0)):
+            raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} "
+                           f"(step {cb.cur_epoch_num * cb.batch_num})")
+        self.epoch_history.append(figures)
+        if self.collective.is_main:
+            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
+                     "val_accuracy %.4f", cb.cur_epoch_num, self.epochs, figures["train_s"],
+                     f"{figures['train_samples_per_s']:,.0f}", eval_s, figures.get("val_loss", float("nan")),
+                     figures.get("val_accuracy", float("nan")))
+            # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
+            self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
+                                      for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
+

@@ -1,0 +1,186 @@
+"""The job's settings: one table, from which the parser, the checks and the set a resume may change all come.
+
+Every setting is a flag and an environment variable (--batch-size <-> BATCH_SIZE <-> cfg.batch_size); the flag
+wins. `python -m fmnist.settings [flags]` checks them as the job will, without MindSpore, and prints the
+output directory: run.sh does so before it launches anything.
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+
+from . import common
+
+OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+DEVICES = ("auto", "Ascend", "CPU")
+AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
+
+
+def positive(value):
+    return None if value > 0 else "must be positive"
+
+
+def non_negative(value):
+    return None if value >= 0 else "must be >= 0"
+
+
+def below_one(value):
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+def loss_scale_mode(value):
+    try:
+        if value in ("auto", "none", "dynamic") or math.isfinite(float(value)) and float(value) > 0:
+            return None
+    except ValueError:
+        pass
+    return "must be auto, none, dynamic or a positive number"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    flag: str
+    type: type
+    default: object
+    help: str
+    env: str = ""  # the flag in capitals unless given
+    choices: tuple = ()
+    check: object = None  # value -> what is wrong with it, or None
+    # A resumed job may change it: where things are, how progress is shown, how long to train. Every other
+    # setting shapes the training and must match the checkpoint's.
+    free_on_resume: bool = False
+
+    @property
+    def name(self):
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def variable(self):
+        return self.env or self.name.upper()
+
+
+SETTINGS = (
+    Setting("--epochs", int, 10, "training epochs in total", check=positive, free_on_resume=True),
+    Setting("--batch-size", int, 64, "batch size per device; the global batch is this times the world size",
+            check=positive),
+    Setting("--lr", float, 0.1, "learning rate", check=positive),
+    Setting("--optimizer", str, "sgd", "optimizer", choices=("sgd", "momentum", "adam")),
+    Setting("--momentum", float, 0.9, "momentum, for --optimizer momentum", check=below_one),
+    Setting("--weight-decay", float, 0.0, "L2 weight decay", check=non_negative),
+    # amp and loss scale are free as asked for: what the job resolves them to is checked on resume instead.
+    Setting("--amp", str, "auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS,
+            free_on_resume=True),
+    Setting("--loss-scale", str, "auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed "
+            "scale; auto is dynamic for O2 on Ascend and none otherwise, as in the article", check=loss_scale_mode,
+            free_on_resume=True),
+    Setting("--device", str, "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES),
+    Setting("--seed", int, 42, "random seed; the same on every rank so all replicas start identical"),
+    Setting("--data-dir", Path, "data", "where Fashion-MNIST is, or is put", free_on_resume=True),
+    Setting("--data-mirrors", str, OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in order "
+            "after local copies; empty: never download", free_on_resume=True),
+    Setting("--checksums-file", str, "", "sha256sum-style file replacing the pinned checksums of the four IDX "
+            "files (to train on another IDX dataset)", free_on_resume=True),
+    Setting("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned",
+            check=positive, free_on_resume=True),
+    Setting("--download-deadline", float, 600.0, "seconds one file's download may take in all, whatever its "
+            "progress", check=positive, free_on_resume=True),
+    Setting("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go", free_on_resume=True),
+    Setting("--resume", str, "auto", "auto: continue from the newest good checkpoint in the output dir; never: "
+            "start fresh", choices=("auto", "never"), free_on_resume=True),
+    Setting("--keep-checkpoints", int, 3, "epoch checkpoints kept in <output-dir>/checkpoints", check=positive,
+            free_on_resume=True),
+    Setting("--predict", str, "", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
+            free_on_resume=True),
+    Setting("--experiment", str, "fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME",
+            free_on_resume=True),
+    Setting("--run-name", str, "", "MLflow run name (default: MLflow picks one)", free_on_resume=True),
+    Setting("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"), free_on_resume=True),
+    Setting("--register-model", str, "", "register the trained model under this name in the MLflow Model "
+            "Registry (default: not registered)", free_on_resume=True),
+    Setting("--log-interval", int, 100, "steps between progress lines and training-loss points", check=positive,
+            free_on_resume=True),
+    Setting("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of "
+            "the worker's share of this machine (see --cpu-bind)", check=non_negative, free_on_resume=True),
+    Setting("--cpu-bind", str, "on", "on: bind each CPU worker to its own share of this machine's cores, divided "
+            "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"), free_on_resume=True),
+)
+FREE_ON_RESUME = frozenset(s.name for s in SETTINGS if s.free_on_resume)
+
+Config = dataclasses.make_dataclass(
+    "Config", [(s.name, s.type) for s in SETTINGS], frozen=True,
+    namespace={"mirrors": property(lambda cfg: [u.strip() for u in cfg.data_mirrors.split(",") if u.strip()]),
+               "__doc__": "The settings of one job, as read and checked by parse_config()."})
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
+                    "Each flag defaults from the environment variable named in brackets.")
+    for s in SETTINGS:
+        # argparse converts a string default with `type`, so a bad environment value fails like a bad flag.
+        parser.add_argument(s.flag, type=s.type, default=os.environ.get(s.variable, s.default),
+                            choices=s.choices or None, help=f"{s.help} [{s.variable}; default: {s.default}]")
+    return parser
+
+
+def parse_config(argv=None):
+    """The checked settings; UsageError naming the flag and its variable for a bad one."""
+    cfg = Config(**vars(build_parser().parse_args(argv)))
+    for s in SETTINGS:
+        value = getattr(cfg, s.name)
+        # argparse checks choices only on the command line, not on a default taken from the environment.
+        problem = f"must be one of {', '.join(s.choices)}" if s.choices and value not in s.choices else None
+        problem = problem or (s.check and s.check(value))
+        if problem:
+            raise common.UsageError(f"{s.flag} {problem}, got {value!r} (flag or {s.variable})")
+    if cfg.register_model and cfg.tracking == "off":
+        raise common.UsageError("--register-model needs tracking: drop --tracking off, or the registration")
+    return cfg
+
+
+def resolve_amp(amp, device):
+    # float16 pays off on Ascend's cube units; on CPU it only adds casts (measured 1.4x slower than O0).
+    if amp != "auto":
+        return amp
+    return "O2" if device == "Ascend" else "O0"
+
+
+def resolve_loss_scale(loss_scale, amp_level, device):
+    """The loss scaling the job uses: "none", "dynamic", or "fixed:<scale>".
+
+    auto follows MindSpore's own defaults per level (dynamic for O2) on Ascend. On CPU MindSpore refuses
+    dynamic scaling, so auto is none there, which is what the article does with O2.
+    """
+    if loss_scale == "auto":
+        return "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
+    if loss_scale == "dynamic" and device == "CPU":
+        raise common.UsageError("--loss-scale dynamic: MindSpore supports no dynamic loss scaling on CPU; use "
+                                "--loss-scale none or a fixed scale such as --loss-scale 1024")
+    return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
+
+
+def fixed_loss_scale(mode):
+    """The scale of a "fixed:<scale>" mode, else None."""
+    return float(mode.partition(":")[2]) if mode.startswith("fixed:") else None
+
+
+def preflight(argv):
+    """For launchers: check the settings and that no job holds the output directory (node 0 only: the other
+    nodes share it), then print the output directory. Exit 2 with one line when something is wrong."""
+    try:
+        cfg = parse_config(argv)
+        holder = common.output_dir_holder(cfg.output_dir) if os.environ.get("NODE_RANK", "0") == "0" else None
+        if holder:
+            raise common.UsageError(common.in_use(cfg.output_dir, holder))
+    except common.UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+    print(cfg.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(preflight(sys.argv[1:]))

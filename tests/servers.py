@@ -1,0 +1,54 @@
+"""Real servers on loopback for the tests and the benchmark: a free port, a readiness poll, and an
+`mlflow server` with its own SQLite store. Standard library only, so the benchmark can use it without pytest."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PROBE = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_up(url, process, log_path, timeout=120, prefix=()):
+    """Poll `url` until it answers 200, from inside `prefix` (such as `ip netns exec NS`) when given; fail with
+    the end of the server's log if `process` ends or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run([*prefix, sys.executable, "-c", PROBE, url], capture_output=True, check=False).returncode:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up: {log_path.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def mlflow_server(directory, host="127.0.0.1", port=None, prefix=()):
+    """A real tracking server with its own SQLite store and proxied artifact store in `directory`, started
+    under `prefix` when given; yields (url, process) and stops it, with its workers, afterwards."""
+    port = port or free_port()
+    url = f"http://{host}:{port}"
+    cmd = [*prefix, sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
+           "--artifacts-destination", str(directory / "artifacts")]
+    log_path = directory / "server.log"
+    with open(log_path, "wb") as log_file:
+        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory,
+                                  start_new_session=True)
+        try:
+            wait_until_up(f"{url}/health", server, log_path, prefix=prefix)
+            yield url, server
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
