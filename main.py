@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         shards, test_ds = shard(job, splits)
         test_metrics = metrics.test_metrics(collective, len(data.CLASS_NAMES))
         if cfg.predict:
-            return predict(job, test_ds, test_metrics)
+            return serving.predict(cfg.predict, test_ds, test_metrics, collective.is_main)
         net, trainer = build_model(job, test_metrics)
         resumed, current = resume(job, trainer)
     except common.UsageError as exc:
@@ -136,8 +136,7 @@ def get_data(job):
     cfg, collective = job.cfg, job.collective
     sources = {}
     if collective.is_local_main:
-        sources = fetch.ensure_data(cfg.data_dir, job.checksums, cfg.mirrors, cfg.download_timeout, say=log.info,
-                                    deadline=cfg.download_deadline)
+        sources = data.make_available(cfg, job.checksums, say=log.info)
     collective.barrier()
     splits = data.load_split(cfg.data_dir, "train"), data.load_split(cfg.data_dir, "t10k")
     if collective.is_main:
@@ -151,16 +150,6 @@ def shard(job, splits):
     shards = data.ShardBatches(data.to_model_input(splits[0][0]), data.one_hot(splits[0][1]), cfg.batch_size,
                                collective.rank, collective.world_size, cfg.seed)
     return shards, data.eval_dataset(*splits[1], cfg.batch_size, collective.rank, collective.world_size)
-
-
-def predict(job, test_ds, test_metrics):
-    """--predict: evaluate a saved model on the test set instead of training."""
-    path = job.cfg.predict
-    results = serving.evaluate(serving.load_model(path), test_ds, test_metrics)
-    if job.collective.is_main:
-        print(f"{path}: test accuracy {results['accuracy']:.4f}, test loss {results['loss']:.4f} "
-              f"on {int(results['confusion'].sum())} images")
-    return 0
 
 
 def build_model(job, test_metrics):

@@ -3,6 +3,7 @@ read, how images become the network's input, and how each rank gets its own shar
 
 What the rest of the job relies on:
     CLASS_NAMES                 the label of each class index
+    make_available(cfg, ...)    the files in cfg.data_dir, on one worker per node; returns where each came from
     load_split(dir, split)      (images uint8 [N, H, W(, C)], labels int [N]) of "train" or "t10k"
     to_model_input(images)      float32 [N, C, H, W], the network's input (training and serving alike)
     ShardBatches, train_dataset, eval_dataset
@@ -18,6 +19,12 @@ from . import common, fetch
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 IMAGE_SIZE = 28
+
+
+def make_available(cfg, checksums, say):
+    """The four verified IDX files in cfg.data_dir (no request when they are there); {file: where it came from}."""
+    return fetch.ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=say,
+                             deadline=cfg.download_deadline)
 
 
 def load_split(data_dir, split):

@@ -115,9 +115,16 @@ Config = dataclasses.make_dataclass(
                "__doc__": "The settings of one job, as read and checked by parse_config()."})
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (not the whole usage) and the exit status 2 it already uses."""
+
+    def error(self, message):
+        self.exit(common.EXIT_USAGE, f"error: {message} (see python main.py --help)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
-        description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
+    parser = OneLineParser(
+        prog="main.py", description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
                     "Each flag defaults from the environment variable named in brackets.")
     for s in SETTINGS:
         # argparse converts a string default with `type`, so a bad environment value fails like a bad flag.

@@ -116,6 +116,11 @@ class MlflowTracker(NullTracker):
     waits a bounded time and says what was not logged. The run is MLflow's own kind: started with
     mlflow.start_run, whose context providers add the user, the source and its git commit; it holds the
     datasets, this node's system metrics and, at the end, the model as an MLflow model.
+
+    MLflow's own asynchronous logging (synchronous=False) queues metric batches on a thread too, but creating
+    the run, logging the datasets and the model stay synchronous, and a failed request surfaces only at its
+    flush; one thread of the job's own carries all of it, so the start never blocks, the finish is bounded,
+    and what was not logged is counted.
     """
 
     def __init__(self, experiment, run_name, params, tags, resume_run_id=None, datasets=(), node="node0",

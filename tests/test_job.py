@@ -42,6 +42,13 @@ def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
         assert summary[key] > 0, key
 
 
+def test_a_good_run_logs_no_error_and_no_traceback(two_worker_run):
+    _, result, _ = two_worker_run
+    assert result.returncode == 0, result.logs
+    for name, text in {"console": result.stdout + result.stderr, **result.logs}.items():
+        assert not [line for line in text.splitlines() if "ERROR" in line or "Traceback" in line], name
+
+
 def test_progress_lines_come_from_rank_0_only(two_worker_run):
     _, result, _ = two_worker_run
     assert "rank0 INFO epoch 1/1 | step 2/8 | loss " in result.logs["worker_0.log"]

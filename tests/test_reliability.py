@@ -65,10 +65,10 @@ def test_checkpoint_of_an_older_job_version_is_refused(tiny_data, tmp_path):
     import json  # pylint: disable=import-outside-toplevel
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     from mindspore import nn  # pylint: disable=import-outside-toplevel
-    checkpoints = tmp_path / "out" / "checkpoints"
-    checkpoints.mkdir(parents=True)
+    checkpoint_dir = tmp_path / "out" / "checkpoints"
+    checkpoint_dir.mkdir(parents=True)
     old_model = nn.SequentialCell(nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2), nn.Flatten(), nn.Dense(4704, 10))
-    ms.save_checkpoint(old_model, str(checkpoints / "epoch-0001.ckpt"), crc_check=True,
+    ms.save_checkpoint(old_model, str(checkpoint_dir / "epoch-0001.ckpt"), crc_check=True,
                        append_dict={"meta": json.dumps({"epoch": 1, "history": [], "loss_points": []})})
     result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"))
     assert result.returncode == common.EXIT_USAGE
@@ -96,7 +96,7 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
                          second.stderr), second.stderr[-2000:]
         by_run_sh = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
                                    capture_output=True, text=True, timeout=60, check=False)
-        assert by_run_sh.returncode == 2 and f"out is in use by the job on host" in by_run_sh.stderr
+        assert by_run_sh.returncode == 2 and "out is in use by the job on host" in by_run_sh.stderr
         assert (logs / "worker_0.log").stat().st_size >= log_before  # its logs were left alone
         for process in subprocess.run(["pgrep", "-f", f"{ROOT / 'main.py'}.*{tmp_path}"], capture_output=True,
                                       text=True, check=False).stdout.split():
