@@ -1,6 +1,7 @@
 """Unit tests of main.py's pure helpers, on small arrays and IDX files made here."""
 
 import gzip
+import re
 import types
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 import main
 from fmnist import common, data, device, distributed, fetch, metrics, model, monitor, settings, tracking
-from conftest import idx_bytes, make_split
+from conftest import ROOT, idx_bytes, make_split
 
 
 def test_parse_idx_reads_plain_and_gzipped():
@@ -109,11 +110,12 @@ def test_settings_come_from_flags_then_environment(monkeypatch):
     assert settings.parse_config(["--batch-size", "8"]).batch_size == 8  # a flag beats the environment
 
 
-def test_every_flag_is_documented_with_its_environment_variable():
-    parser = settings.build_parser()
-    for action in parser._actions:  # pylint: disable=protected-access
-        if action.option_strings and action.dest != "help":
-            assert action.help and "[" in action.help, action.option_strings
+def test_every_setting_is_in_the_readme_table_and_the_help_with_its_variable():
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `(\w+)` \|", (ROOT / "README.md").read_text(), flags=re.M)
+    assert sorted(rows) == sorted((s.flag, s.variable) for s in settings.SETTINGS)
+    helps = {action.option_strings[0]: action.help for action in settings.build_parser()._actions}  # noqa: SLF001
+    for setting in settings.SETTINGS:
+        assert helps[setting.flag] == f"{setting.help} [{setting.variable}; default: {setting.default}]"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -290,3 +292,16 @@ def test_run_page_is_the_ui_link_for_a_server_and_the_store_otherwise():
     assert tracking.run_page("http://host:5000/", "3", "abc") == \
         "http://host:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     assert tracking.run_page("sqlite:///mlflow.db", "3", "abc") == "sqlite:///mlflow.db"
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("AMP", "O5", "--amp must be one of auto, O0, O1, O2, O3, got 'O5' (flag or AMP)"),
+    ("RESUME", "always", "--resume must be one of auto, never, got 'always' (flag or RESUME)"),
+    ("DEVICE", "GPU", "--device must be one of auto, Ascend, CPU, got 'GPU' (flag or DEVICE)"),
+])
+def test_choices_are_checked_for_values_from_the_environment(monkeypatch, variable, value, message):
+    """argparse checks choices only on the command line; the job checks a default taken from the environment."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(common.UsageError) as error:
+        settings.parse_config([])
+    assert str(error.value) == message
