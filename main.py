@@ -237,11 +237,22 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
     if not collective.is_main:
         return 0 if identical else 1
 
+    # What mixed precision and loss scaling do in the train step as MindSpore built it, measured on it: how far
+    # its forward pass moves the logits from float32 on the same weights (0 under O0), and the factor its
+    # backward pass scales the loss by (1 without loss scaling).
+    step = trainer.train_network
+    amp_forward = step.network._backbone  # pylint: disable=protected-access  (the network after amp, as trained)
+    reference = model.build_network(len(data.CLASS_NAMES))
+    ms.load_param_into_net(reference, net.parameters_dict())
+    images = Tensor(data.to_model_input(test_images[:8]))
+    amp_logit_error = float(np.abs(amp_forward(images).asnumpy() - reference(images).asnumpy()).max())
+    step_loss_scale = float(step.scale_sense.asnumpy() if hasattr(step, "scale_sense") else step.sens)
     history = progress.epoch_history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
-        "loss_scaling": job.loss_scaling, "features_dtype": features_dtype,
+        "loss_scaling": job.loss_scaling, "features_dtype": features_dtype, "amp_logit_error": amp_logit_error,
+        "step_loss_scale": step_loss_scale,
         "cpu": {**device.cpu_description(), "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
         "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],

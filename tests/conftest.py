@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +111,36 @@ def wait_for(path, pattern, process, timeout=240):
     raise AssertionError(f"{pattern!r} did not appear in {path}")
 
 
+def worker_pids(log_dir, workers=2):
+    """The pid each worker logged at start ("rank N of M (pid P)"), by rank."""
+    return [int(re.search(rf"rank {rank} of \d+ \(pid (\d+)\)", (Path(log_dir) / f"worker_{rank}.log").read_text())
+                .group(1)) for rank in range(workers)]
+
+
+def job_processes(pid):
+    """Every process below `pid`: msrun, its scheduler and its workers, which run in sessions of their own, so
+    that no process-group signal reaches them all."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_all(processes):
+    """SIGKILL each process and wait until it is gone."""
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def read_summary(output_dir):
     return json.loads((Path(output_dir) / "summary.json").read_text())
 
@@ -142,6 +173,8 @@ class MirrorHandler(http.server.BaseHTTPRequestHandler):
         if behaviour == "hang":
             time.sleep(5)
             return
+        if behaviour == "slow":  # a whole second per file: long enough for another job to start meanwhile
+            time.sleep(1)
         if behaviour in ("trickle", "steady"):
             self.pace(body, *((1, 0.2) if behaviour == "trickle" else (16 << 10, 0.05)))
             return

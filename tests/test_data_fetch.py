@@ -148,15 +148,20 @@ def test_large_download_reports_progress(tmp_path, mirror):
 
 
 def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
+    """The second job starts while the first is fetching (a second per file) and holds the data dir's lock."""
     _, checksums, _ = dataset
-    code = ("import sys; from fmnist import fetch; fetch.ensure_data(sys.argv[1], dict(a.split('=') for a in sys.argv[3:]), "
-            "[sys.argv[2]], 5.0, system_dirs=())")
-    args = [f"{name}={digest}" for name, digest in checksums.items()]
-    jobs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"{mirror.url}/good", *args],
-                             cwd=ROOT) for _ in range(2)]
-    assert [job.wait(timeout=120) for job in jobs] == [0, 0]
+    code = ("import sys; from fmnist import fetch; fetch.ensure_data(sys.argv[1], "
+            "dict(a.split('=') for a in sys.argv[3:]), [sys.argv[2]], 5.0, system_dirs=())")
+    command = [sys.executable, "-c", code, str(tmp_path), f"{mirror.url}/slow",
+               *(f"{name}={digest}" for name, digest in checksums.items())]
+    first = subprocess.Popen(command, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not mirror.total("slow") and time.monotonic() < deadline:  # the first holds the lock from here on
+        time.sleep(0.01)
+    second = subprocess.Popen(command, cwd=ROOT)
+    assert [first.wait(timeout=120), second.wait(timeout=120)] == [0, 0]
     assert_all_verified(tmp_path, checksums)
-    assert mirror.total("good") == 4  # the second job found verified files behind the lock
+    assert mirror.total("slow") == 4  # the second job waited, then found verified files: no request of its own
 
 
 def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirror):
@@ -176,6 +181,19 @@ def test_trickle_alone_fails_with_its_rate_named(tmp_path, dataset, mirror):
     with pytest.raises(common.UsageError, match=r"bytes/s after \d+ s, under the minimum of 16,384 bytes/s"):
         fetch_all(tmp_path, checksums, [f"{mirror.url}/trickle"], timeout=1.0)
     assert data_files(tmp_path) == []
+
+
+def test_too_long_download_is_abandoned_for_the_next_mirror(tmp_path, dataset, mirror):
+    """A steady mirror, 16 KiB every 0.05 s, and a deadline of 0.1 s: the image files (over 48 KiB, so a fourth
+    chunk comes after 0.15 s) outlast it and come from the next mirror; the label files complete in time."""
+    _, checksums, files = dataset
+    assert min(len(files[f"{split}-images-idx3-ubyte.gz"]) for split in ("train", "t10k")) > 48 << 10
+    fetch.ensure_data(tmp_path, checksums, [f"{mirror.url}/steady", f"{mirror.url}/good"], 5.0, system_dirs=(),
+                      say=lambda _: None, deadline=0.1)
+    assert_all_verified(tmp_path, checksums)
+    assert mirror.total("steady") == 4  # each file tried once there, none retried
+    assert sorted(path for path in mirror.requests if path.startswith("/good/")) == [
+        "/good/t10k-images-idx3-ubyte.gz", "/good/train-images-idx3-ubyte.gz"]
 
 
 def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):

@@ -1,6 +1,5 @@
 """The launcher, the image and the manifests: static checks with the real validators, and run.sh for real."""
 
-import os
 import re
 import shlex
 import shutil
@@ -21,8 +20,7 @@ MANIFESTS = ["k8s-job.yaml", "k8s-multinode.yaml"]
 
 def checkov(manifest):
     """checkov from its own venv (its pins would move the job's), on one manifest file."""
-    binary = Path(os.environ.get("CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov"))
-    return subprocess.run([str(binary), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
+    return subprocess.run([str(ROOT / ".venv-checkov" / "bin" / "checkov"), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
                            "-f", manifest], cwd=ROOT, capture_output=True, text=True, check=False)
 
 
@@ -142,7 +140,9 @@ def test_run_sh_trains_from_another_directory(tiny_data, tmp_path, workers):
     result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS=str(workers))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = read_summary(tmp_path / "out")
-    assert summary["world_size"] == workers and summary["replicas_identical"] is True
+    assert summary["world_size"] == workers
+    if workers > 1:  # with one worker there is nothing to compare
+        assert summary["replicas_identical"] is True
     assert "Results: out/summary.json" in result.stdout
     assert (tmp_path / "out" / "logs" / f"worker_{workers - 1}.log").is_file()
 

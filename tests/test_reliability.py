@@ -1,7 +1,6 @@
 """Real operations: resumes that must not mix settings, one job per output dir, divergence, SIGTERM (run.sh as
 PID 1 and under a shell), and two msrun nodes in two network namespaces. Real processes and real signals."""
 
-import contextlib
 import json
 import os
 import re
@@ -13,8 +12,8 @@ import time
 import pytest
 
 from fmnist import checkpoints, common
-from conftest import (ROOT, job_env, mlflow_server, read_summary, run_main, run_msrun, tiny_args, wait_for,
-                      write_dataset)
+from conftest import (ROOT, alive, job_env, job_processes, kill_all, mlflow_server, read_summary, run_main, run_msrun,
+                      tiny_args, wait_for, worker_pids, write_dataset)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -85,8 +84,9 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         logs = tmp_path / "out" / "logs"
-        pid = int(wait_for(logs / "worker_0.log", r"rank 0 of 2 \(pid (\d+)\)", holder, timeout=180).group(1))
         wait_for(logs / "worker_0.log", r"first step done", holder, timeout=180)
+        workers = worker_pids(logs)
+        pid = workers[0]
         log_before = (logs / "worker_0.log").stat().st_size
         started = time.monotonic()
         second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
@@ -98,13 +98,13 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
                                    capture_output=True, text=True, timeout=60, check=False)
         assert by_run_sh.returncode == 2 and "out is in use by the job on host" in by_run_sh.stderr
         assert (logs / "worker_0.log").stat().st_size >= log_before  # its logs were left alone
-        for process in subprocess.run(["pgrep", "-f", f"{ROOT / 'main.py'}.*{tmp_path}"], capture_output=True,
-                                      text=True, check=False).stdout.split():
-            os.kill(int(process), signal.SIGKILL)  # every process of the job, as a crashed node would
-        os.kill(pid, signal.SIGKILL)
+        job = job_processes(holder.pid)  # msrun, its scheduler and both workers
+        assert set(workers) <= {process.pid for process in job}
+        kill_all(job)  # every process of the job at once, as a crashed node would
+        assert not any(alive(worker) for worker in workers)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(holder.pid, signal.SIGKILL)
+        kill_all(job_processes(holder.pid))
+        holder.kill()
         holder.wait(timeout=60)
     after_crash = run_main(tmp_path, [*args, "--epochs", "1", "--resume", "never"], timeout=300)
     assert after_crash.returncode == 0, after_crash.stderr[-3000:]
@@ -156,6 +156,9 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     if as_pid_1:
         target = int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True,
                                     check=True).stdout.split()[0])
+    # The job's processes by their pids on this host (in a PID namespace, the workers log other numbers).
+    job_workers = [p.pid for p in job_processes(job.pid) if str(ROOT / "main.py") in p.cmdline()]
+    assert len(job_workers) >= 2, job_workers  # both workers, and msrun's scheduler, which runs main.py too
     signalled = time.monotonic()
     os.kill(target, signal.SIGTERM)
     _, stderr = job.communicate(timeout=120)
@@ -166,8 +169,7 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     assert re.search(r"stopped by SIGTERM at step \d+; the next start resumes", log), log[-2000:]
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["epoch-0001.ckpt"]
     assert not (tmp_path / "out" / "summary.json").exists()
-    assert not subprocess.run(["pgrep", "-f", f"{ROOT / 'main.py'}.*{longer_data}"], capture_output=True,
-                              check=False).stdout  # no worker left behind
+    assert not any(alive(pid) for pid in job_workers)  # no worker left behind
     run_id = re.search(r"MLflow: run (\w+)", log).group(1)
     assert mlflow_run(tmp_path, run_id).info.status == "KILLED"
     rerun = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),

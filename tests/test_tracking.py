@@ -216,7 +216,7 @@ def test_dead_server_at_start_costs_seconds_not_minutes(tiny_data, tmp_path):
     assert "MLflow: tracking is off for the rest of the job" in result.stderr
     assert re.search(r"MLflow: not logged: .*1 model", result.stderr), result.stderr[-2000:]
     summary = read_summary(tmp_path / "out")
-    assert summary["mlflow_run_id"] is None and summary["replicas_identical"] is True
+    assert summary["mlflow_run_id"] is None and summary["test_accuracy"] == summary["epoch_history"][-1]["val_accuracy"]
     assert elapsed < 90, elapsed  # MLflow's defaults would retry for minutes
 
 
@@ -233,13 +233,15 @@ def test_server_lost_mid_run_ends_tracking_with_a_warning(tmp_path, caplog):
             deadline = time.monotonic() + 30
             while not MlflowClient(url).get_metric_history(run_id, "train_loss") and time.monotonic() < deadline:
                 time.sleep(0.2)
+            assert MlflowClient(url).get_metric_history(run_id, "train_loss"), "the first metric never arrived"
             server.terminate()
             server.wait(timeout=20)
             with caplog.at_level(logging.WARNING, logger="fashion-mnist"):
                 tracker.log_metrics({"train_loss": 0.5, "val_accuracy": 0.9}, step=2)
-                started = time.monotonic()
                 tracker.finish("FINISHED")
-                assert time.monotonic() - started < 60
     messages = [r.getMessage() for r in caplog.records]
-    assert any("tracking is off for the rest of the job" in m for m in messages), messages
+    # The failed request turned tracking off, so finish() had nothing to wait for: not its 60 s bound.
+    assert any("tracking is off for the rest of the job after a failure logging metrics" in m for m in messages), \
+        messages
+    assert not any("no answer within" in m for m in messages), messages
     assert any("not logged: 2 metric values" in m for m in messages), messages
