@@ -139,6 +139,7 @@ def get_data(job):
         sources = data.make_available(cfg, job.checksums, say=log.info)
     collective.barrier()
     splits = data.load_split(cfg.data_dir, "train"), data.load_split(cfg.data_dir, "t10k")
+    settings.check_against_data(cfg, collective.world_size, len(splits[0][1]), len(splits[1][1]))  # every rank alike
     if collective.is_main:
         plots.save_sample_grid(*splits[0], cfg.output_dir / "samples.png", cfg.seed)
     return splits, sources

@@ -69,7 +69,11 @@ report_failure() {
   # msrun itself only says "check logs": name the worker that failed, say how, and show why. Sets
   # worker_status to the first failed worker's status.
   local status=$1 log_dir=$2 pid code log found=0
-  echo "run.sh: the job failed (msrun exit status $status)" >&2
+  if ((ended_early)); then
+    echo "run.sh: the job failed; run.sh ended the other workers at once" >&2
+  else
+    echo "run.sh: the job failed (msrun exit status $status)" >&2
+  fi
   while read -r pid code; do
     : "${worker_status:=$(signal_status "$code")}"
     log=$(grep -l "(pid $pid)" "$log_dir"/worker_*.log 2>/dev/null | head -n 1 || true)
@@ -145,11 +149,11 @@ if ((NODES > 1)) && [[ -z "${MASTER_ADDR:-}" ]]; then
 fi
 : "${MASTER_ADDR:=127.0.0.1}"
 
-# The job's own checks of its settings, in a fraction of a second and before msrun starts anything: a bad
-# setting, or an output directory another job holds (whose logs msrun would overwrite), stops here with the
-# job's one-line error and exit 2. It prints the output directory.
+# The job's own checks, in a fraction of a second and before msrun starts anything: a bad setting, a directory
+# it cannot write, a batch the data cannot fill, or an output directory another job holds (whose logs msrun
+# would overwrite) stops here with the job's one-line error and exit 2. It prints the output directory.
 case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
-output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$@") || exit "$?"
+output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.preflight "$((WORKERS * NODES))" "$@") || exit "$?"
 if ((NODES > 1)); then
   : "${LOG_DIR:=$output_dir/logs/node$NODE_RANK}"  # msrun names logs by local rank: keep nodes apart
 else
@@ -174,20 +178,39 @@ fi
 mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
-status=0 stop_status=0 worker_status=""
+end_msrun() {
+  # msrun's workers and scheduler are its children, each in a session of its own.
+  pkill -KILL -P "$1" 2>/dev/null || true
+  kill -KILL "$1" 2>/dev/null || true
+}
+
+status=0 stop_status=0 worker_status="" ended_early=0
 trap 'request_stop 143' TERM
 trap 'request_stop 130' INT
 # msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone (tee -i ignores it too).
 setsid "${launcher[@]}" python "$here/main.py" "$@" > >(tee -i "$LOG_DIR/msrun.log") 2>&1 &
 msrun_pid=$!
-wait "$msrun_pid" || status=$?  # a trapped signal ends the wait early, with msrun still running
+# When a worker fails, msrun logs it within seconds but ends the others only when its scheduler's heartbeat
+# times out (about 40 s on CPU), and the scheduler then prints a traceback of its own. The first failed worker
+# in msrun's log ends the job here at once instead.
+while kill -0 "$msrun_pid" 2>/dev/null && ((!stop_status)); do
+  if grep -q 'Worker process [0-9]* exit with exception' "$LOG_DIR/msrun.log" 2>/dev/null; then
+    ended_early=1
+    end_msrun "$msrun_pid"
+    break
+  fi
+  sleep 0.5 &
+  wait $! || true  # returns at once when a trapped signal arrives
+done
+if ((!stop_status)); then
+  wait "$msrun_pid" 2>/dev/null || status=$?  # at once: msrun has ended; no "Killed" notice from bash
+fi
 if ((stop_status)); then
   for _ in $(seq 60); do  # the workers take a log interval and MLflow's last request; Kubernetes gives 30 s
     [[ -z "$(workers_of "$msrun_pid")" ]] && break
     sleep 0.5
   done
-  pkill -KILL -P "$msrun_pid" 2>/dev/null || true  # msrun's scheduler waits out a heartbeat timeout otherwise
-  kill -KILL "$msrun_pid" 2>/dev/null || true
+  end_msrun "$msrun_pid"  # msrun's scheduler waits out a heartbeat timeout otherwise
   wait "$msrun_pid" 2>/dev/null || true
   echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
   exit "$stop_status"

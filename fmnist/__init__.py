@@ -2,6 +2,7 @@
 
 Modules, each one concern; imports run down this list and never up:
 
+    preflight    what run.sh checks before msrun starts (no MindSpore)
     settings     the settings table: flags, environment variables, checks
     fetch        getting the IDX files (no MindSpore)
     data         the dataset: loading, transforms, each rank's shard       <- replace for your own data

@@ -75,8 +75,12 @@ def lock_output_dir(output_dir):
     when the client's lease lapses. Returns the open lock file, to be kept for the job's lifetime.
     """
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    lock = os.fdopen(os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = os.fdopen(os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    except OSError as exc:
+        raise UsageError(f"--output-dir {output_dir}: cannot use it ({exc.strerror}); give a directory this user "
+                         "may write in") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,6 +1,7 @@
 """The trained model outside training: exported as MindIR, evaluated by --predict, and served by
 `mlflow models serve` as a pyfunc model whose loader is this module."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,19 @@ from . import common, data, device, metrics, model
 
 
 def export_mindir(net, path):
-    """The model for inference as MindIR, for any batch size, written whole or not at all."""
+    """The model for inference as MindIR, for any batch size, written whole or not at all.
+
+    MindSpore's exporter refuses a file name with any character outside [0-9a-zA-Z@_-.:/\\], such as a space
+    or an accent in a directory's name; it writes here through the open directory's name under /proc/self/fd,
+    which has none of those, whatever the directory is called.
+    """
     any_batch = Tensor(shape=[None, 1, data.IMAGE_SIZE, data.IMAGE_SIZE], dtype=ms.float32)
     with common.atomic_path(path, suffix=".mindir") as tmp:
-        ms.export(net, any_batch, file_name=str(tmp), file_format="MINDIR")
+        directory = os.open(tmp.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            ms.export(net, any_batch, file_name=f"/proc/self/fd/{directory}/{tmp.name}", file_format="MINDIR")
+        finally:
+            os.close(directory)
 
 
 def load_model(path):

@@ -1,15 +1,13 @@
 """The job's settings: one table, from which the parser, the checks and the set a resume may change all come.
 
 Every setting is a flag and an environment variable (--batch-size <-> BATCH_SIZE <-> cfg.batch_size); the flag
-wins. `python -m fmnist.settings [flags]` checks them as the job will, without MindSpore, and prints the
-output directory: run.sh does so before it launches anything.
+wins.
 """
 
 import argparse
 import dataclasses
 import math
 import os
-import sys
 from pathlib import Path
 
 from . import common
@@ -174,20 +172,21 @@ def fixed_loss_scale(mode):
     return float(mode.partition(":")[2]) if mode.startswith("fixed:") else None
 
 
-def preflight(argv):
-    """For launchers: check the settings and that no job holds the output directory (node 0 only: the other
-    nodes share it), then print the output directory. Exit 2 with one line when something is wrong."""
-    try:
-        cfg = parse_config(argv)
-        holder = common.output_dir_holder(cfg.output_dir) if os.environ.get("NODE_RANK", "0") == "0" else None
-        if holder:
-            raise common.UsageError(common.in_use(cfg.output_dir, holder))
-    except common.UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return common.EXIT_USAGE
-    print(cfg.output_dir)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(preflight(sys.argv[1:]))
+def check_against_data(cfg, world_size, train_count, test_count):
+    """The settings that must agree with the data and the world size: a step's global batch fits the training
+    set, a log interval (the ranks' agreement on the loss and on stopping) falls within an epoch, and every
+    rank has test images to evaluate. UsageError naming the setting and its limit."""
+    per_step = cfg.batch_size * world_size
+    if per_step > train_count:
+        fix = (f"use --batch-size {train_count // world_size} or less" if train_count >= world_size
+               else "use fewer workers")
+        raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} "
+                                f"training images a step, but the training set has {train_count}: {fix} "
+                                "(flag or BATCH_SIZE)")
+    steps = train_count // per_step
+    if cfg.log_interval > steps:
+        raise common.UsageError(f"--log-interval {cfg.log_interval} is longer than an epoch ({steps} steps of "
+                                f"{per_step} images): use --log-interval {steps} or less (flag or LOG_INTERVAL)")
+    if test_count < world_size:
+        raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
+                                "each evaluate a share of it: use fewer workers")
