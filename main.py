@@ -82,9 +82,13 @@ def main(argv=None) -> int:
     except common.UsageError as exc:
         log.error("%s", exc)
         return common.EXIT_USAGE
+    except common.DiskFull as exc:
+        log.error("%s", exc)
+        return common.EXIT_DISK_FULL
     tracker, node_monitor = start_tracking(job, resumed, splits, sources)
     progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * collective.world_size,
-                                       cfg.log_interval, started, resumed)
+                                       cfg.log_interval, started, resumed, len(data.CLASS_NAMES),
+                                       cfg.divergence_check == "on")
     callbacks = [progress]
     if collective.is_main:  # one writer of checkpoints
         callbacks.append(checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints, progress,
@@ -95,11 +99,11 @@ def main(argv=None) -> int:
             trainer.fit(cfg.epochs, data.train_dataset(shards, resumed["epoch"] if resumed else 0), test_ds,
                         valid_frequency=1, callbacks=callbacks, dataset_sink_mode=False,
                         initial_epoch=min(resumed["epoch"] if resumed else 0, cfg.epochs))
-    except (monitor.Diverged, distributed.Terminated) as exc:
+        return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor,
+                      {"started": started, "fit_s": time.perf_counter() - fit_start,
+                       "resumed_from_epoch": resumed["epoch"] if resumed else 0})
+    except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
         return stop_early(job, exc, tracker, node_monitor)
-    return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor,
-                  {"started": started, "fit_s": time.perf_counter() - fit_start,
-                   "resumed_from_epoch": resumed["epoch"] if resumed else 0})
 
 
 def read_settings(argv):
@@ -207,19 +211,27 @@ def start_tracking(job, resumed, splits, sources):
 
 
 def stop_early(job, exc, tracker, node_monitor):
-    """Every rank stopped at the same step: divergence (exit 3) or SIGTERM/SIGINT (128 + the signal)."""
-    diverged = isinstance(exc, monitor.Diverged)
+    """The job ends without results. Divergence (exit 3) and SIGTERM or SIGINT (128 + the signal) stop every rank
+    at the same step; a full disk (exit 4) stops rank 0, the one writer, whose exit ends the others."""
     checkpoint_dir = job.cfg.output_dir / "checkpoints"
-    if diverged and job.collective.is_main:
-        log.error("training diverged: %s. Start again with a lower --lr (now %g) and --resume never; no final "
-                  "model was written, the checkpoints of the good epochs stay in %s", exc, job.cfg.lr, checkpoint_dir)
-    elif job.collective.is_main:
-        log.warning("%s; the next start resumes from the newest checkpoint in %s", exc, checkpoint_dir)
-    tracker.finish("FAILED" if diverged else "KILLED", timeout=tracking.MLFLOW_STOP_TIMEOUT_S)
+    if isinstance(exc, distributed.Terminated):
+        status, run_status = 128 + exc.signum, "KILLED"
+        if job.collective.is_main:
+            log.warning("%s; the next start resumes from the newest checkpoint in %s", exc, checkpoint_dir)
+    elif isinstance(exc, monitor.Diverged):
+        status, run_status = common.EXIT_DIVERGED, "FAILED"
+        if job.collective.is_main:
+            log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
+                      "stay in %s", exc, exc.advice(job.cfg.lr), checkpoint_dir)
+    else:
+        status, run_status = common.EXIT_DISK_FULL, "FAILED"
+        log.error("%s", exc)
+    tracker.finish(run_status, timeout=tracking.MLFLOW_STOP_TIMEOUT_S)
     if node_monitor:
         node_monitor.finish()
-    job.collective.barrier()  # msrun kills every worker at the first exit: let rank 0 finish with MLflow first
-    return common.EXIT_DIVERGED if diverged else 128 + exc.signum
+    if status != common.EXIT_DISK_FULL:  # msrun kills every worker at the first exit: let rank 0 end the run first
+        job.collective.barrier()
+    return status
 
 
 def report(job, net, trainer, test_ds, test_images, progress, tracker, node_monitor, timing):

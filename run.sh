@@ -19,7 +19,7 @@
 #                (default /usr/local/Ascend/ascend-toolkit/set_env.sh)
 #
 # Exit status: 0 when every worker succeeded; else the failing worker's own status (2: bad settings or data,
-# 3: the training diverged; 128+N for a worker killed by signal N), or msrun's. The failing worker's log tail is
+# 3: the training diverged, 4: a volume is full; 128+N for a worker killed by signal N), or msrun's. The failing worker's log tail is
 # shown. SIGTERM or SIGINT stops the workers together at their next log interval, and run.sh exits 143 (130):
 # as a container's PID 1 too, where bash would otherwise ignore SIGTERM.
 set -euo pipefail
@@ -55,6 +55,8 @@ describe_exit() {
     -15) echo "was stopped by SIGTERM" ;;
     -*) echo "was killed by signal ${1#-}" ;;
     2) echo "exited with status 2: a bad setting or missing data" ;;
+    3) echo "exited with status 3: the training diverged" ;;
+    4) echo "exited with status 4: a volume it writes to is full" ;;
     *) echo "exited with status $1" ;;
   esac
 }
@@ -178,15 +180,29 @@ fi
 mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
+stopped_worker() {
+  # A worker stopped by SIGSTOP (or held by a debugger) freezes every rank at its next collective, and msrun
+  # would only notice when its heartbeat times out: print the first such worker's pid.
+  local pid state
+  for pid in $(workers_of "$1"); do
+    state=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
+    if [[ "$state" == [Tt] ]]; then
+      echo "$pid"
+      return
+    fi
+  done
+}
+
 end_msrun() {
   # msrun's workers and scheduler are its children, each in a session of its own.
   pkill -KILL -P "$1" 2>/dev/null || true
   kill -KILL "$1" 2>/dev/null || true
 }
 
-status=0 stop_status=0 worker_status="" ended_early=0
+status=0 stop_status=0 worker_status="" ended_early=0 frozen="" stopped_polls=0
 trap 'request_stop 143' TERM
 trap 'request_stop 130' INT
+: >"$LOG_DIR/msrun.log"  # before the watch below reads it: the last run's failure is not this one's
 # msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone (tee -i ignores it too).
 setsid "${launcher[@]}" python "$here/main.py" "$@" > >(tee -i "$LOG_DIR/msrun.log") 2>&1 &
 msrun_pid=$!
@@ -194,7 +210,10 @@ msrun_pid=$!
 # times out (about 40 s on CPU), and the scheduler then prints a traceback of its own. The first failed worker
 # in msrun's log ends the job here at once instead.
 while kill -0 "$msrun_pid" 2>/dev/null && ((!stop_status)); do
-  if grep -q 'Worker process [0-9]* exit with exception' "$LOG_DIR/msrun.log" 2>/dev/null; then
+  frozen=$(stopped_worker "$msrun_pid")
+  # Stopped for 5 s on end: a profiler's or debugger's moment of attachment is not a freeze.
+  if [[ -n "$frozen" ]]; then stopped_polls=$((stopped_polls + 1)); else stopped_polls=0; fi
+  if ((stopped_polls >= 10)) || grep -q 'Worker process [0-9]* exit with exception' "$LOG_DIR/msrun.log" 2>/dev/null; then
     ended_early=1
     end_msrun "$msrun_pid"
     break
@@ -214,6 +233,12 @@ if ((stop_status)); then
   wait "$msrun_pid" 2>/dev/null || true
   echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
   exit "$stop_status"
+fi
+if ((stopped_polls >= 10)); then
+  log=$(grep -l "(pid $frozen)" "$LOG_DIR"/worker_*.log 2>/dev/null | head -n 1 || true)
+  echo "run.sh: the job failed: ${log:+${log##*/}, }process $frozen was stopped (SIGSTOP, or a debugger) and" \
+    "froze every rank; run.sh ended the job. All logs are in $LOG_DIR" >&2
+  exit $((128 + 19))
 fi
 if ((status != 0)); then
   report_failure "$status" "$LOG_DIR"

@@ -1,6 +1,7 @@
 """What every stage shares: exit codes, the one error type for bad input, logging, and files written whole."""
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -12,13 +13,22 @@ from pathlib import Path
 
 JOB_VERSION = "1.0.0"
 EXIT_USAGE = 2  # bad settings or data: retrying the same pod cannot help (see k8s-job.yaml podFailurePolicy)
-EXIT_DIVERGED = 3  # the loss went non-finite: a retry with the same settings diverges again (podFailurePolicy too)
+EXIT_DIVERGED = 3  # the training diverged: a retry with the same settings diverges again (podFailurePolicy too)
+EXIT_DISK_FULL = 4  # a volume the job writes to is full: a retry fails alike until someone frees space
 
 log = logging.getLogger("fashion-mnist")
 
 
 class UsageError(Exception):
     """A setting or the data is wrong; the message says what and how to fix it."""
+
+
+class DiskFull(Exception):
+    """No space (or quota) was left for a file the job writes; nothing half-written was kept."""
+
+    def __init__(self, path, exc):
+        super().__init__(f"no space left on the device of {path} ({exc.strerror}); free some space there or give "
+                         "a larger volume, then run the same command again: it resumes from the newest checkpoint")
 
 
 def configure_logging(rank):
@@ -36,9 +46,16 @@ def atomic_path(path, suffix=""):
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        for leftover in tmp.parent.glob(f"{tmp.stem}*"):  # the writer's own temporaries too (MindSpore's .tmp)
+            leftover.unlink(missing_ok=True)
+        if no_space(exc):
+            raise DiskFull(path, exc) from None
         raise
+
+
+def no_space(exc):
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def write_atomic(path, data):
@@ -87,10 +104,15 @@ def lock_output_dir(output_dir):
         holder = lock.read().strip() or "another job"
         lock.close()
         raise UsageError(in_use(output_dir, holder)) from None
-    lock.truncate(0)
-    lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
-               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
-    lock.flush()
+    try:
+        lock.truncate(0)
+        lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        lock.flush()
+    except OSError as exc:
+        if no_space(exc):
+            raise DiskFull(output_dir / ".lock", exc) from None
+        raise
     return lock
 
 

@@ -14,8 +14,28 @@ from . import distributed
 from .common import log
 
 
+# The divergence rule, for a softmax cross-entropy over C classes, whose untrained value is ln C. Any one of
+# these, with --divergence-check on, stops every rank as a non-finite loss does:
+EXPLODED = 10  # a training loss over 10 ln C (23 for ten classes): the weights are blowing up
+# At the end of every epoch from 200 steps on (an epoch of the defaults is 468), a validation accuracy of at most
+# 1.2 / C, or a validation loss of at least ln C, is a network that has not learned: dead ReLUs after an
+# explosion, or a learning rate too small to move it. Healthy runs of the defaults are at 0.75 after epoch 1.
+JUDGED_AFTER_STEPS = 200
+CHANCE_MARGIN = 1.2
+
+
 class Diverged(Exception):
-    """The training loss stopped being finite."""
+    """The training stopped learning: a non-finite or exploded loss, or no better than chance."""
+
+    def __init__(self, message, exploded=True):
+        super().__init__(message)
+        self.exploded = exploded
+
+    def advice(self, lr):
+        if self.exploded:
+            return f"Start again with a lower --lr (now {lr:g}) and --resume never"
+        return (f"Check --lr (now {lr:g}: lower if the loss exploded before, higher if it barely moved), then start "
+                "again with --resume never; --divergence-check off trains on regardless")
 
 
 class TrainingMonitor(Callback):
@@ -24,8 +44,11 @@ class TrainingMonitor(Callback):
     per-epoch validation loss and accuracy over the full test set."""
 
     def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None,
-                 stop=None):
+                 num_classes=10, check_learning=True, stop=None):
         super().__init__()
+        # Losses and accuracies of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
+        self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
+        self.check_learning = check_learning
         self.collective, self.tracker = collective, tracker
         self.stop = stop or distributed.StopRequest()
         self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
@@ -73,6 +96,9 @@ class TrainingMonitor(Callback):
         self._loss_sum, self._loss_steps = None, 0
         if not np.isfinite(per_rank).all():
             raise Diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
+        if self.check_learning and per_rank.mean() > EXPLODED * self.untrained_loss:
+            raise Diverged(f"training loss {per_rank.mean():.4g} at step {step} (epoch {cb.cur_epoch_num}), over "
+                           f"{EXPLODED} times the {self.untrained_loss:.2f} of an untrained network")
         if stop_signals.any():
             raise distributed.Terminated(int(stop_signals.max()), step)
         now = time.perf_counter()
@@ -109,6 +135,12 @@ class TrainingMonitor(Callback):
         if not math.isfinite(figures.get("val_loss", 0.0)):
             raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} "
                            f"(step {cb.cur_epoch_num * cb.batch_num})")
+        steps = cb.cur_epoch_num * cb.batch_num
+        if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
+                figures["val_accuracy"] <= CHANCE_MARGIN * self.chance or figures["val_loss"] >= self.untrained_loss):
+            raise Diverged(f"not learning: after epoch {cb.cur_epoch_num} ({steps} steps) the validation accuracy is "
+                           f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
+                           f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)
         self.epoch_history.append(figures)
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "

@@ -98,6 +98,9 @@ SETTINGS = (
     Setting("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"), free_on_resume=True),
     Setting("--register-model", str, "", "register the trained model under this name in the MLflow Model "
             "Registry (default: not registered)", free_on_resume=True),
+    Setting("--divergence-check", str, "on", "on: stop as diverged (exit 3) when the training loss explodes, or "
+            "when after the first epoch past 200 steps the network does no better than chance; off: only a "
+            "non-finite loss stops it", choices=("on", "off"), free_on_resume=True),
     Setting("--log-interval", int, 100, "steps between progress lines and training-loss points", check=positive,
             free_on_resume=True),
     Setting("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of "

@@ -103,7 +103,7 @@ def test_dockerfile_builds_on_cann_for_910b_by_default_and_310p_on_request():
 def test_manifest_stops_retrying_bad_settings_and_divergence_and_allows_the_sigterm_stop(manifest):
     job = next(doc for doc in yaml.safe_load_all((ROOT / manifest).read_text()) if doc["kind"] == "Job")
     fail_job = [rule for rule in job["spec"]["podFailurePolicy"]["rules"] if rule["action"] == "FailJob"]
-    assert fail_job[0]["onExitCodes"]["values"] == [common.EXIT_USAGE, common.EXIT_DIVERGED]
+    assert fail_job[0]["onExitCodes"]["values"] == [common.EXIT_USAGE, common.EXIT_DIVERGED, common.EXIT_DISK_FULL]
     # run.sh stops the workers at their next log interval and waits at most 10 s for MLflow: within 30 s.
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
     assert tracking.MLFLOW_STOP_TIMEOUT_S <= 10

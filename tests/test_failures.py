@@ -1,0 +1,158 @@
+"""Failures that must end a job cleanly, through run.sh with 2 workers: a full volume wherever the job writes
+(exit 4), a training that stopped learning (exit 3), a worker frozen by SIGSTOP (the job ends, naming it).
+Real processes, real signals, real tmpfs volumes (the tests run as root)."""
+
+import contextlib
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from fmnist import common
+from conftest import (ROOT, alive, job_env, read_summary, serve, tiny_args, wait_for, worker_pids,
+                      write_dataset)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def longer_data(tmp_path_factory):
+    """256 steps an epoch with 2 workers of batch 16: past the 200 steps after which learning is judged."""
+    directory = tmp_path_factory.mktemp("longer-data")
+    write_dataset(directory, splits={"train": 8192, "t10k": 256})
+    return directory
+
+
+@contextlib.contextmanager
+def small_volume(path, size):
+    """A tmpfs of `size` at `path`, unmounted afterwards."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
+def run_sh(cwd, args, **env):
+    result = subprocess.run([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(WORKERS="2", **env),
+                            capture_output=True, text=True, timeout=300, check=False)
+    result.console = result.stdout + result.stderr
+    return result
+
+
+def no_traceback(result, log_dir):
+    texts = {"console": result.console, **{p.name: p.read_text(errors="replace") for p in log_dir.glob("*.log")}}
+    return not [name for name, text in texts.items() if "Traceback" in text]
+
+
+def mlflow_runs(cwd):
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+    return client, client.search_runs([client.get_experiment_by_name("fashion-mnist-lenet").experiment_id])
+
+
+# --- a full volume
+
+
+def test_full_volume_at_a_checkpoint_keeps_the_last_one_and_fails_the_run(tiny_data, tmp_path):
+    """1,400 KB: the sample grid and two epoch checkpoints (540 KB each) fit, the third does not."""
+    with small_volume(tmp_path / "volume", "1400k") as volume:
+        result = run_sh(tmp_path, tiny_args(tiny_data, volume, "--epochs", "4", "--keep-checkpoints", "5"),
+                        LOG_DIR=str(tmp_path / "logs"))
+        assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
+        assert re.search(rf"no space left on the device of {volume}/checkpoints/epoch-0003\.ckpt \(No space left "
+                         r"on device\); free some space there", result.console), result.console[-3000:]
+        assert "exited with status 4: a volume it writes to is full" in result.stderr
+        assert no_traceback(result, tmp_path / "logs")
+        assert sorted(p.name for p in volume.rglob("*") if p.is_file()) == [
+            ".lock", "epoch-0001.ckpt", "epoch-0002.ckpt", "samples.png"]  # nothing half-written
+        import mindspore as ms  # pylint: disable=import-outside-toplevel
+        assert "meta" in ms.load_checkpoint(str(volume / "checkpoints" / "epoch-0002.ckpt"), crc_check=True)
+    _, runs = mlflow_runs(tmp_path)
+    assert [run.info.status for run in runs] == ["FAILED"]
+
+
+def test_full_volume_at_the_final_model_writes_no_results(tiny_data, tmp_path):
+    """800 KB: the grid, the epoch checkpoint and model.ckpt fit, model.mindir does not."""
+    with small_volume(tmp_path / "volume", "800k") as volume:
+        result = run_sh(tmp_path, tiny_args(tiny_data, volume, "--tracking", "off"), LOG_DIR=str(tmp_path / "logs"))
+        assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
+        assert f"no space left on the device of {volume}/model.mindir" in result.console, result.console[-3000:]
+        assert no_traceback(result, tmp_path / "logs")
+        assert not [p for p in volume.rglob("*") if ".part" in p.name]
+        assert not (volume / "summary.json").exists()
+
+
+def test_full_data_volume_stops_the_download(tiny_data, tmp_path):
+    """100 KB for the data: the training images (140 KB gzipped) do not fit."""
+    files = {p.name: p.read_bytes() for p in tiny_data.glob("*.gz")}
+    with serve(files) as mirror, small_volume(tmp_path / "data", "100k") as volume:
+        args = tiny_args(volume, "out", "--tracking", "off", "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                         "--data-mirrors", f"{mirror.url}/good")
+        result = run_sh(tmp_path, args)
+        assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
+        assert f"no space left on the device of {volume}/train-images-idx3-ubyte.gz" in result.console
+        assert no_traceback(result, tmp_path / "out" / "logs")
+        assert not [p for p in volume.iterdir() if p.name != ".lock"]  # no partial file
+
+
+# --- a training that stopped learning
+
+
+@pytest.mark.parametrize("lr, message", [
+    ("50", r"training diverged: training loss [\d.e+]+ at step \d+ \(epoch 1\), over 10 times the 2\.30 of an "
+           r"untrained network\. Start again with a lower --lr \(now 50\)"),
+    ("1e-07", r"training diverged: not learning: after epoch 1 \(256 steps\) the validation accuracy is 0\.\d+ .* "
+              r"against 0\.10 and 2\.30 for guessing\. Check --lr \(now 1e-07"),
+], ids=["exploded", "never-learned"])
+def test_a_training_that_stopped_learning_is_a_divergence(longer_data, tmp_path, lr, message):
+    args = tiny_args(longer_data, "out", "--lr", lr, "--epochs", "3", "--log-interval", "8", "--register-model", "m")
+    result = run_sh(tmp_path, args)
+    assert result.returncode == common.EXIT_DIVERGED, result.console[-3000:]
+    assert re.search(message, result.console), result.console[-3000:]
+    assert no_traceback(result, tmp_path / "out" / "logs")
+    for name in ("summary.json", "model.ckpt", "model.mindir"):
+        assert not (tmp_path / "out" / name).exists(), name
+    client, runs = mlflow_runs(tmp_path)
+    assert [run.info.status for run in runs] == ["FAILED"] and client.search_registered_models() == []
+
+
+def test_divergence_check_off_trains_on(longer_data, tmp_path):
+    result = run_sh(tmp_path, tiny_args(longer_data, "out", "--lr", "1e-07", "--tracking", "off",
+                                        "--log-interval", "8", "--divergence-check", "off"))
+    assert result.returncode == 0, result.console[-3000:]
+    summary = read_summary(tmp_path / "out")
+    # What the check stops: no better than guessing after 256 steps.
+    assert summary["test_accuracy"] <= 0.12 or summary["test_loss"] >= math.log(10), summary["epoch_history"]
+
+
+# --- a frozen worker
+
+
+def test_a_frozen_worker_ends_the_job_and_is_named(longer_data, tmp_path):
+    job = subprocess.Popen([str(ROOT / "run.sh"), *tiny_args(longer_data, "out", "--tracking", "off", "--epochs",
+                                                            "20", "--log-interval", "8")],
+                           cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    logs = tmp_path / "out" / "logs"
+    try:
+        wait_for(logs / "worker_0.log", r"epoch 1/20 \| step 16/", job)
+        workers = worker_pids(logs)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = job.communicate(timeout=120)
+        print(f"the job ended {time.monotonic() - stopped:.1f} s after worker 1 was stopped")
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in worker_pids(logs):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGSTOP, stderr[-3000:]
+    assert re.search(rf"worker_1\.log, process {workers[1]} was stopped \(SIGSTOP, or a debugger\)", stderr), stderr
+    assert not any(alive(pid) for pid in workers)
