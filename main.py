@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         if cfg.predict:
             return serving.predict(cfg.predict, test_ds, test_metrics, collective.is_main)
         net, trainer = build_model(job, test_metrics)
-        resumed, current = resume(job, trainer)
+        resumed, current, start_epoch = resume(job, trainer)
     except common.UsageError as exc:
         log.error("%s", exc)
         return common.EXIT_USAGE
@@ -96,12 +96,10 @@ def main(argv=None) -> int:
     fit_start = time.perf_counter()
     try:
         with progress.stop:  # SIGTERM becomes a request the ranks agree on
-            trainer.fit(cfg.epochs, data.train_dataset(shards, resumed["epoch"] if resumed else 0), test_ds,
-                        valid_frequency=1, callbacks=callbacks, dataset_sink_mode=False,
-                        initial_epoch=min(resumed["epoch"] if resumed else 0, cfg.epochs))
+            trainer.fit(cfg.epochs, data.train_dataset(shards, start_epoch), test_ds, valid_frequency=1,
+                        callbacks=callbacks, dataset_sink_mode=False, initial_epoch=min(start_epoch, cfg.epochs))
         return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor,
-                      {"started": started, "fit_s": time.perf_counter() - fit_start,
-                       "resumed_from_epoch": resumed["epoch"] if resumed else 0})
+                      {"started": started, "fit_s": time.perf_counter() - fit_start, "resumed_from_epoch": start_epoch})
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
         return stop_early(job, exc, tracker, node_monitor)
 
@@ -183,14 +181,14 @@ def build_model(job, test_metrics):
 
 def resume(job, trainer):
     """The newest good checkpoint of this same training, loaded into the network and optimizer (None with
-    --resume never or none found), and this training's trajectory, which its checkpoints record."""
+    --resume never or none found), this training's trajectory, which its checkpoints record, and the epoch every
+    rank starts from."""
     directory = job.cfg.output_dir / "checkpoints"
     current = checkpoints.trajectory(job.cfg, {**job.resolved, "data_sha256": job.checksums}, trainer.train_network)
     resumed = None
     if job.cfg.resume == "auto":
         resumed = checkpoints.load_latest_checkpoint(directory, trainer.train_network, current)
-    checkpoints.agree_on_resume(job.collective, resumed, directory, job.cfg.epochs)
-    return resumed, current
+    return resumed, current, checkpoints.agree_on_resume(job.collective, resumed, directory, job.cfg.epochs)
 
 
 def start_tracking(job, resumed, splits, sources):
@@ -250,16 +248,10 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
     if not collective.is_main:
         return 0 if identical else 1
 
-    # What mixed precision and loss scaling do in the train step as MindSpore built it, measured on it: how far
-    # its forward pass moves the logits from float32 on the same weights (0 under O0), and the factor its
-    # backward pass scales the loss by (1 without loss scaling).
-    step = trainer.train_network
-    amp_forward = step.network._backbone  # pylint: disable=protected-access  (the network after amp, as trained)
-    reference = model.build_network(len(data.CLASS_NAMES))
-    ms.load_param_into_net(reference, net.parameters_dict())
-    images = Tensor(data.to_model_input(test_images[:8]))
-    amp_logit_error = float(np.abs(amp_forward(images).asnumpy() - reference(images).asnumpy()).max())
-    step_loss_scale = float(step.scale_sense.asnumpy() if hasattr(step, "scale_sense") else step.sens)
+    float32_net = model.build_network(len(data.CLASS_NAMES))  # the same weights without mixed precision
+    ms.load_param_into_net(float32_net, net.parameters_dict())
+    amp_logit_error, step_loss_scale = metrics.precision_in_step(
+        trainer.train_network, float32_net, Tensor(data.to_model_input(test_images[:8])))
     history = progress.epoch_history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {

@@ -67,3 +67,13 @@ def test_metrics(collective, num_classes):
     """What Model.fit validates with after each epoch, and --predict evaluates: loss, accuracy, confusion."""
     return {"loss": GlobalMean(cross_entropy, collective), "accuracy": GlobalMean(correct_predictions, collective),
             "confusion": GlobalConfusion(collective, num_classes)}
+
+
+def precision_in_step(train_step, float32_net, images):
+    """What mixed precision and loss scaling do in a train step as MindSpore built it, measured on it: the
+    largest change of its forward pass's logits against `float32_net` (the same weights in float32; 0 under
+    O0), and the factor its backward pass scales the loss by (1 without loss scaling)."""
+    amp_forward = train_step.network._backbone  # pylint: disable=protected-access  (the network after amp)
+    logit_error = float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max())
+    scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
+    return logit_error, float(scale)

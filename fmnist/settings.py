@@ -179,6 +179,11 @@ def check_against_data(cfg, world_size, train_count, test_count):
     """The settings that must agree with the data and the world size: a step's global batch fits the training
     set, a log interval (the ranks' agreement on the loss and on stopping) falls within an epoch, and every
     rank has test images to evaluate. UsageError naming the setting and its limit."""
+    if test_count < world_size:
+        raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
+                                "each evaluate a share of it: use fewer workers")
+    if cfg.predict:  # no training: the rest is about training steps
+        return
     per_step = cfg.batch_size * world_size
     if per_step > train_count:
         fix = (f"use --batch-size {train_count // world_size} or less" if train_count >= world_size
@@ -190,6 +195,3 @@ def check_against_data(cfg, world_size, train_count, test_count):
     if cfg.log_interval > steps:
         raise common.UsageError(f"--log-interval {cfg.log_interval} is longer than an epoch ({steps} steps of "
                                 f"{per_step} images): use --log-interval {steps} or less (flag or LOG_INTERVAL)")
-    if test_count < world_size:
-        raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
-                                "each evaluate a share of it: use fewer workers")

@@ -66,6 +66,15 @@ def tiny_data(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="session")
+def longer_data(tmp_path_factory):
+    """Epochs of a few seconds, 256 steps with 2 workers of batch 16: a job is still training when a test acts
+    on it, and past the 200 steps after which learning is judged."""
+    directory = tmp_path_factory.mktemp("longer-data")
+    write_dataset(directory, splits={"train": 8192, "t10k": 256})
+    return directory
+
+
 def job_env(**overrides):
     """The environment the job runs in: this venv's python first on PATH (msrun launches `python` from
     PATH), no tracking server unless a test sets one, and a quiet MindSpore."""

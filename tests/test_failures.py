@@ -13,18 +13,9 @@ import time
 import pytest
 
 from fmnist import common
-from conftest import (ROOT, alive, job_env, read_summary, serve, tiny_args, wait_for, worker_pids,
-                      write_dataset)
+from conftest import ROOT, alive, job_env, read_summary, serve, tiny_args, wait_for, worker_pids
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def longer_data(tmp_path_factory):
-    """256 steps an epoch with 2 workers of batch 16: past the 200 steps after which learning is judged."""
-    directory = tmp_path_factory.mktemp("longer-data")
-    write_dataset(directory, splits={"train": 8192, "t10k": 256})
-    return directory
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ def test_exported_models_reproduce_the_jobs_accuracy(killed_then_resumed, longer
 
 def test_resume_never_starts_fresh(tiny_data, tmp_path):
     base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", "out", "--epochs", "1", "--batch-size", "16", "--tracking", "off"]
+            "--output-dir", "out", "--epochs", "1", "--batch-size", "16", "--log-interval", "8", "--tracking", "off"]
     for extra in ([], ["--resume", "never"]):
         result = run_main(tmp_path, base + extra)
         assert result.returncode == 0, result.stderr[-3000:]
