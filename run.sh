@@ -193,6 +193,29 @@ stopped_worker() {
   done
 }
 
+without_launcher_traceback() {
+  # msrun ends a failed job with a Python traceback of its own ("RuntimeError: Distributed job exited with
+  # exception. Please check logs"), which says nothing report_failure does not say better; every other line,
+  # and every other traceback, passes at once, line by line. Ctrl-C is for run.sh alone (it would break
+  # msrun's pipe).
+  trap '' INT
+  local line held=()
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    if [[ "$line" == "Traceback (most recent call last):" ]]; then
+      held=("$line")
+    elif ((${#held[@]})) && [[ "$line" == " "* ]]; then
+      held+=("$line")
+    elif ((${#held[@]})) && [[ "$line" == "RuntimeError: Distributed job exited with exception"* ]]; then
+      held=()
+    else
+      if ((${#held[@]})); then printf '%s\n' "${held[@]}"; fi
+      printf '%s\n' "$line"
+      held=()
+    fi
+  done
+  if ((${#held[@]})); then printf '%s\n' "${held[@]}"; fi
+}
+
 end_msrun() {
   # msrun's workers and scheduler are its children, each in a session of its own.
   pkill -KILL -P "$1" 2>/dev/null || true
@@ -204,7 +227,7 @@ trap 'request_stop 143' TERM
 trap 'request_stop 130' INT
 : >"$LOG_DIR/msrun.log"  # before the watch below reads it: the last run's failure is not this one's
 # msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone (tee -i ignores it too).
-setsid "${launcher[@]}" python "$here/main.py" "$@" > >(tee -i "$LOG_DIR/msrun.log") 2>&1 &
+setsid "${launcher[@]}" python "$here/main.py" "$@" > >(without_launcher_traceback | tee -i "$LOG_DIR/msrun.log") 2>&1 &
 msrun_pid=$!
 # When a worker fails, msrun logs it within seconds but ends the others only when its scheduler's heartbeat
 # times out (about 40 s on CPU), and the scheduler then prints a traceback of its own. The first failed worker
