@@ -18,10 +18,12 @@ from .common import log
 # these, with --divergence-check on, stops every rank as a non-finite loss does:
 EXPLODED = 10  # a training loss over 10 ln C (23 for ten classes): the weights are blowing up
 # At the end of every epoch from 200 steps on (an epoch of the defaults is 468), a validation accuracy of at most
-# 1.2 / C, or a validation loss of at least ln C, is a network that has not learned: dead ReLUs after an
-# explosion, or a learning rate too small to move it. Healthy runs of the defaults are at 0.75 after epoch 1.
+# 1.2 / C, or a validation loss of at least 0.98 ln C (an untrained network's is ln C, give or take 1 %), is a
+# network that has not learned: dead ReLUs after an explosion, or a learning rate too small to move it.
+# Healthy runs of the defaults are at 0.75 after epoch 1, with a loss of 0.6.
 JUDGED_AFTER_STEPS = 200
 CHANCE_MARGIN = 1.2
+UNTRAINED_LOSS_MARGIN = 0.98
 
 
 class Diverged(Exception):
@@ -137,7 +139,7 @@ class TrainingMonitor(Callback):
                            f"(step {cb.cur_epoch_num * cb.batch_num})")
         steps = cb.cur_epoch_num * cb.batch_num
         if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
-                figures["val_accuracy"] <= CHANCE_MARGIN * self.chance or figures["val_loss"] >= self.untrained_loss):
+                figures["val_accuracy"] <= CHANCE_MARGIN * self.chance or figures["val_loss"] >= UNTRAINED_LOSS_MARGIN * self.untrained_loss):
             raise Diverged(f"not learning: after epoch {cb.cur_epoch_num} ({steps} steps) the validation accuracy is "
                            f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
                            f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)

@@ -119,7 +119,7 @@ def test_divergence_check_off_trains_on(longer_data, tmp_path):
     assert result.returncode == 0, result.console[-3000:]
     summary = read_summary(tmp_path / "out")
     # What the check stops: no better than guessing after 256 steps.
-    assert summary["test_accuracy"] <= 0.12 or summary["test_loss"] >= math.log(10), summary["epoch_history"]
+    assert summary["test_accuracy"] <= 0.12 or summary["test_loss"] >= 0.98 * math.log(10), summary["epoch_history"]
 
 
 # --- a frozen worker
