@@ -49,6 +49,7 @@ class Job:
     amp_level: str
     loss_scaling: str
     isa_cap: str = None
+    cpu: dict = None  # the CPU model and the ISA flags that decide oneDNN's kernels
     collective: distributed.Collective = None
     local_workers: int = 1
     threads: int = 0
@@ -116,6 +117,7 @@ def read_settings(argv):
 def join_job(job):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
     job.isa_cap = device.cap_onednn_isa() if job.device == "CPU" else None
+    job.cpu = device.cpu_description()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(job.device)
     rank, local_rank, world_size = distributed.init_distributed()
@@ -198,9 +200,8 @@ def start_tracking(job, resumed, splits, sources):
         return tracking.NullTracker(), None
     tracker = tracking.NullTracker()
     if collective.is_main:
-        cpu = device.cpu_description()
         tracker = tracking.start_tracking(cfg, {**job.resolved, "onednn_isa_cap": job.isa_cap,
-                                                "cpu_model": cpu["model"]},
+                                                "cpu_model": job.cpu["model"]},
                                           resumed and resumed["mlflow_run_id"],
                                           tracking.dataset_inputs(splits, job.checksums, sources),
                                           tracking.node_name())
@@ -258,7 +259,7 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
         "loss_scaling": job.loss_scaling, "features_dtype": features_dtype, "amp_logit_error": amp_logit_error,
         "step_loss_scale": step_loss_scale,
-        "cpu": {**device.cpu_description(), "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
+        "cpu": {**job.cpu, "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
         "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,

@@ -28,14 +28,18 @@ def usable_dir(path, flag):
                                 "give a directory it may write in")
 
 
-def data_counts(cfg, checksums):
-    """(training images, test images) of the verified data in --data-dir, or None when some file is missing or
-    does not verify: the job fetches it then, and checks the counts itself."""
-    names = list(checksums)
-    if not all(fetch.is_verified(cfg.data_dir, name, checksums[name]) for name in names):
+def data_counts(data_dir, checksums):
+    """(training images, test images), read from the label files when all four files are in `data_dir`, or
+    None when one is missing or a label file is malformed: the job fetches it then, and checks the counts
+    itself. Verifying the checksums is left to the job, which does it anyway, so that start-up hashes the
+    data once, not twice."""
+    if not all(fetch.local_copy(data_dir, name) for name in checksums):
         return None
-    return tuple(len(fetch.parse_idx(fetch.local_copy(cfg.data_dir, f"{split}-labels-idx1-ubyte").read_bytes()))
-                 for split in ("train", "t10k"))
+    try:
+        return tuple(len(fetch.parse_idx(fetch.local_copy(data_dir, f"{split}-labels-idx1-ubyte").read_bytes()))
+                     for split in ("train", "t10k"))
+    except (OSError, ValueError):
+        return None
 
 
 def check(argv, world_size):
@@ -50,7 +54,7 @@ def check(argv, world_size):
     holder = common.output_dir_holder(cfg.output_dir) if os.environ.get("NODE_RANK", "0") == "0" else None
     if holder:  # only node 0 holds it; the other nodes of a job share the directory
         raise common.UsageError(common.in_use(cfg.output_dir, holder))
-    counts = data_counts(cfg, checksums)
+    counts = data_counts(cfg.data_dir, checksums)
     if counts is None:
         usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there
     else:
