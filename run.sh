@@ -19,9 +19,10 @@
 #                (default /usr/local/Ascend/ascend-toolkit/set_env.sh)
 #
 # Exit status: 0 when every worker succeeded; else the failing worker's own status (2: bad settings or data,
-# 3: the training diverged, 4: a volume is full; 128+N for a worker killed by signal N), or msrun's. The failing worker's log tail is
-# shown. SIGTERM or SIGINT stops the workers together at their next log interval, and run.sh exits 143 (130):
-# as a container's PID 1 too, where bash would otherwise ignore SIGTERM.
+# 3: the training diverged, 4: a volume is full; 128+N for a worker killed by signal N, 147 for one stopped by
+# SIGSTOP), or msrun's. The failing worker's log tail is shown; a worker that fails or stays stopped ends the
+# whole job at once. SIGTERM or SIGINT stops the workers together at their next log interval, and run.sh
+# exits 143 (130): as a container's PID 1 too, where bash would otherwise ignore SIGTERM.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -67,6 +68,11 @@ show_tail() {
   grep -vE '^\[(WARNING|INFO)\]' "$2" | tail -n 15 | sed 's/^/    /' >&2
 }
 
+worker_log_of() {
+  # The log of the worker with this pid: each worker names its pid in its first line (main.py).
+  grep -l "(pid $1)" "$2"/worker_*.log 2>/dev/null | head -n 1 || true
+}
+
 report_failure() {
   # msrun itself only says "check logs": name the worker that failed, say how, and show why. Sets
   # worker_status to the first failed worker's status.
@@ -78,7 +84,7 @@ report_failure() {
   fi
   while read -r pid code; do
     : "${worker_status:=$(signal_status "$code")}"
-    log=$(grep -l "(pid $pid)" "$log_dir"/worker_*.log 2>/dev/null | head -n 1 || true)
+    log=$(worker_log_of "$pid" "$log_dir")
     echo "run.sh: ${log:+${log##*/}, }process $pid $(describe_exit "$code")" >&2
     if [[ -n "$log" ]]; then
       found=1
@@ -116,69 +122,6 @@ request_stop() {
     kill -TERM "$pid" 2>/dev/null || true
   done
 }
-
-command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
-command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv first"
-
-: "${ASCEND_ENV:=/usr/local/Ascend/ascend-toolkit/set_env.sh}"
-if [[ -f "$ASCEND_ENV" ]]; then
-  set +u  # CANN's script reads variables that may be unset
-  # shellcheck source=/dev/null
-  source "$ASCEND_ENV"
-  set -u
-fi
-export GLOG_v=${GLOG_v:-3}
-
-: "${NODES:=1}"
-: "${NODE_RANK:=${JOB_COMPLETION_INDEX:-0}}"
-: "${CLUSTER_TIMEOUT:=600}"
-if [[ -z "${WORKERS:-}" ]]; then
-  WORKERS=$(count_ascend_devices)
-  ((WORKERS > 0)) || WORKERS=2
-fi
-export LOCAL_WORKERS=$WORKERS  # main.py divides this machine's cores among its workers
-export NODE_RANK  # main.py names this node's system metrics after it
-if [[ -z "${MASTER_PORT:-}" ]]; then
-  if ((NODES > 1)); then MASTER_PORT=8118; else MASTER_PORT=$(free_port); fi
-fi
-for var in WORKERS NODES NODE_RANK MASTER_PORT CLUSTER_TIMEOUT; do
-  [[ "${!var}" =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
-done
-((WORKERS >= 1 && NODES >= 1)) || die "WORKERS and NODES must be at least 1"
-((NODE_RANK < NODES)) || die "NODE_RANK ($NODE_RANK) must be below NODES ($NODES)"
-if ((NODES > 1)) && [[ -z "${MASTER_ADDR:-}" ]]; then
-  die "NODES=$NODES needs MASTER_ADDR, the address of node 0"
-fi
-: "${MASTER_ADDR:=127.0.0.1}"
-
-# The job's own checks, in a fraction of a second and before msrun starts anything: a bad setting, a directory
-# it cannot write, a batch the data cannot fill, or an output directory another job holds (whose logs msrun
-# would overwrite) stops here with the job's one-line error and exit 2. It prints the output directory.
-case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
-output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.preflight "$((WORKERS * NODES))" "$@") || exit "$?"
-if ((NODES > 1)); then
-  : "${LOG_DIR:=$output_dir/logs/node$NODE_RANK}"  # msrun names logs by local rank: keep nodes apart
-else
-  : "${LOG_DIR:=$output_dir/logs}"
-fi
-launcher=(
-  msrun
-  "--worker_num=$((WORKERS * NODES))"
-  "--local_worker_num=$WORKERS"
-  "--master_addr=$MASTER_ADDR"
-  "--master_port=$MASTER_PORT"
-  "--node_rank=$NODE_RANK"
-  "--log_dir=$LOG_DIR"
-  "--cluster_time_out=$CLUSTER_TIMEOUT"
-  --join=True
-)
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  printf '%q ' "${launcher[@]}" python "$here/main.py" "$@"
-  echo
-  exit 0
-fi
-mkdir -p "$LOG_DIR"
-echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
 stopped_worker() {
   # A worker stopped by SIGSTOP (or held by a debugger) freezes every rank at its next collective, and msrun
@@ -222,7 +165,72 @@ end_msrun() {
   kill -KILL "$1" 2>/dev/null || true
 }
 
+command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
+command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv first"
+
+: "${ASCEND_ENV:=/usr/local/Ascend/ascend-toolkit/set_env.sh}"
+if [[ -f "$ASCEND_ENV" ]]; then
+  set +u  # CANN's script reads variables that may be unset
+  # shellcheck source=/dev/null
+  source "$ASCEND_ENV"
+  set -u
+fi
+export GLOG_v=${GLOG_v:-3}
+
+: "${NODES:=1}"
+: "${NODE_RANK:=${JOB_COMPLETION_INDEX:-0}}"
+: "${CLUSTER_TIMEOUT:=600}"
+if [[ -z "${WORKERS:-}" ]]; then
+  WORKERS=$(count_ascend_devices)
+  ((WORKERS > 0)) || WORKERS=2
+fi
+export LOCAL_WORKERS=$WORKERS  # main.py divides this machine's cores among its workers
+export NODE_RANK  # main.py names this node's system metrics after it
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  if ((NODES > 1)); then MASTER_PORT=8118; else MASTER_PORT=$(free_port); fi
+fi
+for var in WORKERS NODES NODE_RANK MASTER_PORT CLUSTER_TIMEOUT; do
+  [[ "${!var}" =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
+done
+((WORKERS >= 1 && NODES >= 1)) || die "WORKERS and NODES must be at least 1"
+((NODE_RANK < NODES)) || die "NODE_RANK ($NODE_RANK) must be below NODES ($NODES)"
+if ((NODES > 1)) && [[ -z "${MASTER_ADDR:-}" ]]; then
+  die "NODES=$NODES needs MASTER_ADDR, the address of node 0"
+fi
+: "${MASTER_ADDR:=127.0.0.1}"
+
+# The job's own checks, in a fraction of a second and before msrun starts anything: a bad setting, a directory
+# it cannot write, a batch the data cannot fill, or an output directory another job holds (whose logs msrun
+# would overwrite) stops here with the job's one-line error and exit 2. It prints the output directory.
+case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
+output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.preflight "$((WORKERS * NODES))" "$@") ||
+  exit "$?"
+if ((NODES > 1)); then
+  : "${LOG_DIR:=$output_dir/logs/node$NODE_RANK}"  # msrun names logs by local rank: keep nodes apart
+else
+  : "${LOG_DIR:=$output_dir/logs}"
+fi
+launcher=(
+  msrun
+  "--worker_num=$((WORKERS * NODES))"
+  "--local_worker_num=$WORKERS"
+  "--master_addr=$MASTER_ADDR"
+  "--master_port=$MASTER_PORT"
+  "--node_rank=$NODE_RANK"
+  "--log_dir=$LOG_DIR"
+  "--cluster_time_out=$CLUSTER_TIMEOUT"
+  --join=True
+)
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${launcher[@]}" python "$here/main.py" "$@"
+  echo
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
+echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s) here, scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
+
 status=0 stop_status=0 worker_status="" ended_early=0 frozen="" stopped_polls=0
+freeze_polls=10  # stopped for 5 s on end (polls of 0.5 s): a profiler's or debugger's attachment is not a freeze
 trap 'request_stop 143' TERM
 trap 'request_stop 130' INT
 : >"$LOG_DIR/msrun.log"  # before the watch below reads it: the last run's failure is not this one's
@@ -234,9 +242,9 @@ msrun_pid=$!
 # in msrun's log ends the job here at once instead.
 while kill -0 "$msrun_pid" 2>/dev/null && ((!stop_status)); do
   frozen=$(stopped_worker "$msrun_pid")
-  # Stopped for 5 s on end: a profiler's or debugger's moment of attachment is not a freeze.
   if [[ -n "$frozen" ]]; then stopped_polls=$((stopped_polls + 1)); else stopped_polls=0; fi
-  if ((stopped_polls >= 10)) || grep -q 'Worker process [0-9]* exit with exception' "$LOG_DIR/msrun.log" 2>/dev/null; then
+  if ((stopped_polls >= freeze_polls)) ||
+    grep -q 'Worker process [0-9]* exit with exception' "$LOG_DIR/msrun.log" 2>/dev/null; then
     ended_early=1
     end_msrun "$msrun_pid"
     break
@@ -257,8 +265,8 @@ if ((stop_status)); then
   echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
   exit "$stop_status"
 fi
-if ((stopped_polls >= 10)); then
-  log=$(grep -l "(pid $frozen)" "$LOG_DIR"/worker_*.log 2>/dev/null | head -n 1 || true)
+if ((stopped_polls >= freeze_polls)); then
+  log=$(worker_log_of "$frozen" "$LOG_DIR")
   echo "run.sh: the job failed: ${log:+${log##*/}, }process $frozen was stopped (SIGSTOP, or a debugger) and" \
     "froze every rank; run.sh ended the job. All logs are in $LOG_DIR" >&2
   exit $((128 + 19))

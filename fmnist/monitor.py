@@ -133,13 +133,13 @@ class TrainingMonitor(Callback):
         figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
         self.confusion = metrics.get("confusion", self.confusion)
         self._train_s = None
-        # The same figure on every rank; checked before this epoch's checkpoint is written.
-        if not math.isfinite(figures.get("val_loss", 0.0)):
-            raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} "
-                           f"(step {cb.cur_epoch_num * cb.batch_num})")
+        # The same figures on every rank; checked before this epoch's checkpoint is written.
         steps = cb.cur_epoch_num * cb.batch_num
+        if not math.isfinite(figures.get("val_loss", 0.0)):
+            raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} (step {steps})")
         if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
-                figures["val_accuracy"] <= CHANCE_MARGIN * self.chance or figures["val_loss"] >= UNTRAINED_LOSS_MARGIN * self.untrained_loss):
+                figures["val_accuracy"] <= CHANCE_MARGIN * self.chance
+                or figures["val_loss"] >= UNTRAINED_LOSS_MARGIN * self.untrained_loss):
             raise Diverged(f"not learning: after epoch {cb.cur_epoch_num} ({steps} steps) the validation accuracy is "
                            f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
                            f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)

@@ -108,6 +108,20 @@ def run_main(cwd, args, env=None, timeout=300):
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def run_sh(cwd, args, timeout=300, **env):
+    """The launcher, as the image and Kubernetes start it; `console` is its stdout and stderr together."""
+    result = subprocess.run([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(**env), capture_output=True,
+                            text=True, timeout=timeout, check=False)
+    result.console = result.stdout + result.stderr
+    return result
+
+
+def no_traceback(result, log_dir):
+    """Whether no traceback shows on the console or in any log of `log_dir`."""
+    texts = {"console": result.console, **{p.name: p.read_text(errors="replace") for p in Path(log_dir).glob("*.log")}}
+    return not [name for name, text in texts.items() if "Traceback" in text]
+
+
 def wait_for(path, pattern, process, timeout=240):
     """The first match of `pattern` in the file at `path`, polling while `process` runs."""
     deadline = time.monotonic() + timeout

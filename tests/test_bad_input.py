@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, job_env, read_summary, tiny_args
+from conftest import ROOT, job_env, no_traceback, read_summary, run_sh, tiny_args
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,11 +42,6 @@ BAD_INPUTS = [
 ]
 
 
-def run_sh(cwd, args, **env):
-    return subprocess.run([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(WORKERS="2", **env),
-                          capture_output=True, text=True, timeout=240, check=False)
-
-
 @pytest.mark.parametrize("extra, env, message, before_msrun",
                          [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2(tiny_data, tmp_path, extra, env, message, before_msrun):
@@ -55,12 +50,12 @@ def test_bad_input_is_one_line_and_exit_2(tiny_data, tmp_path, extra, env, messa
     shutil.copytree(tiny_data, corrupt)
     images = corrupt / "train-images-idx3-ubyte.gz"
     images.write_bytes(gzip.compress(gzip.decompress(images.read_bytes())[:-1] + b"\x01", mtime=0))
-    result = run_sh(tmp_path, [*tiny_args(tiny_data, "out", "--tracking", "off"), *extra], **env)
-    console = result.stdout + result.stderr
+    result = run_sh(tmp_path, [*tiny_args(tiny_data, "out", "--tracking", "off"), *extra], WORKERS="2", **env)
+    console = result.console
     assert result.returncode == 2, console[-3000:]
     assert message in console, console[-3000:]
-    logs = {path.name: path.read_text(errors="replace") for path in (tmp_path / "out" / "logs").glob("*.log")}
-    assert not [name for name, text in {"console": console, **logs}.items() if "Traceback" in text]
+    assert no_traceback(result, tmp_path / "out" / "logs")
+    logs = list((tmp_path / "out" / "logs").glob("*.log"))
     if before_msrun:  # the whole console is that one line, and msrun never started
         lines = console.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], console
@@ -74,7 +69,7 @@ def test_directories_with_spaces_and_accents_work(tiny_data, tmp_path):
     """MindSpore's MindIR exporter refuses such names; the job writes through a name it accepts."""
     data_dir = tmp_path / "dä ta"
     shutil.copytree(tiny_data, data_dir)
-    result = run_sh(tmp_path, tiny_args(data_dir, "öut put", "--tracking", "on"))
+    result = run_sh(tmp_path, tiny_args(data_dir, "öut put", "--tracking", "on"), WORKERS="2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = read_summary(tmp_path / "öut put")
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True and summary["mlflow_run_id"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fmnist import common, tracking
-from conftest import ROOT, job_env, read_summary, tiny_args
+from conftest import ROOT, read_summary, run_sh, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernetes-validate come from PyPI
@@ -128,11 +128,6 @@ def test_dockerignore_sends_only_what_the_image_copies():
     assert ignored[0] == "*" and ignored[-1] == "**/__pycache__"
     sent = sorted(i.removeprefix("!") for i in ignored if i.startswith("!"))
     assert sent == sorted(source.rstrip("/") for sources in copies for source in sources)
-
-
-def run_sh(cwd, args, timeout=300, **env):
-    return subprocess.run([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(**env), capture_output=True,
-                          text=True, timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize("workers", [2, 1])

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from fmnist import common
-from conftest import ROOT, alive, job_env, read_summary, serve, tiny_args, wait_for, worker_pids
+from conftest import (ROOT, alive, job_env, no_traceback, read_summary, run_sh, serve, tiny_args, wait_for,
+                      worker_pids)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,18 +30,6 @@ def small_volume(path, size):
         subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
-def run_sh(cwd, args, **env):
-    result = subprocess.run([str(ROOT / "run.sh"), *args], cwd=cwd, env=job_env(WORKERS="2", **env),
-                            capture_output=True, text=True, timeout=300, check=False)
-    result.console = result.stdout + result.stderr
-    return result
-
-
-def no_traceback(result, log_dir):
-    texts = {"console": result.console, **{p.name: p.read_text(errors="replace") for p in log_dir.glob("*.log")}}
-    return not [name for name, text in texts.items() if "Traceback" in text]
-
-
 def mlflow_runs(cwd):
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
     client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
@@ -53,8 +42,8 @@ def mlflow_runs(cwd):
 def test_full_volume_at_a_checkpoint_keeps_the_last_one_and_fails_the_run(tiny_data, tmp_path):
     """1,400 KB: the sample grid and two epoch checkpoints (540 KB each) fit, the third does not."""
     with small_volume(tmp_path / "volume", "1400k") as volume:
-        result = run_sh(tmp_path, tiny_args(tiny_data, volume, "--epochs", "4", "--keep-checkpoints", "5"),
-                        LOG_DIR=str(tmp_path / "logs"))
+        args = tiny_args(tiny_data, volume, "--epochs", "4", "--keep-checkpoints", "5")
+        result = run_sh(tmp_path, args, WORKERS="2", LOG_DIR=str(tmp_path / "logs"))
         assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
         assert re.search(rf"no space left on the device of {volume}/checkpoints/epoch-0003\.ckpt \(No space left "
                          r"on device\); free some space there", result.console), result.console[-3000:]
@@ -71,7 +60,8 @@ def test_full_volume_at_a_checkpoint_keeps_the_last_one_and_fails_the_run(tiny_d
 def test_full_volume_at_the_final_model_writes_no_results(tiny_data, tmp_path):
     """800 KB: the grid, the epoch checkpoint and model.ckpt fit, model.mindir does not."""
     with small_volume(tmp_path / "volume", "800k") as volume:
-        result = run_sh(tmp_path, tiny_args(tiny_data, volume, "--tracking", "off"), LOG_DIR=str(tmp_path / "logs"))
+        result = run_sh(tmp_path, tiny_args(tiny_data, volume, "--tracking", "off"), WORKERS="2",
+                        LOG_DIR=str(tmp_path / "logs"))
         assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
         assert f"no space left on the device of {volume}/model.mindir" in result.console, result.console[-3000:]
         assert no_traceback(result, tmp_path / "logs")
@@ -85,7 +75,7 @@ def test_full_data_volume_stops_the_download(tiny_data, tmp_path):
     with serve(files) as mirror, small_volume(tmp_path / "data", "100k") as volume:
         args = tiny_args(volume, "out", "--tracking", "off", "--checksums-file", str(tiny_data / "CHECKSUMS"),
                          "--data-mirrors", f"{mirror.url}/good")
-        result = run_sh(tmp_path, args)
+        result = run_sh(tmp_path, args, WORKERS="2")
         assert result.returncode == common.EXIT_DISK_FULL, result.console[-3000:]
         assert f"no space left on the device of {volume}/train-images-idx3-ubyte.gz" in result.console
         assert no_traceback(result, tmp_path / "out" / "logs")
@@ -103,7 +93,7 @@ def test_full_data_volume_stops_the_download(tiny_data, tmp_path):
 ], ids=["exploded", "never-learned"])
 def test_a_training_that_stopped_learning_is_a_divergence(longer_data, tmp_path, lr, message):
     args = tiny_args(longer_data, "out", "--lr", lr, "--epochs", "3", "--log-interval", "8", "--register-model", "m")
-    result = run_sh(tmp_path, args)
+    result = run_sh(tmp_path, args, WORKERS="2")
     assert result.returncode == common.EXIT_DIVERGED, result.console[-3000:]
     assert re.search(message, result.console), result.console[-3000:]
     assert no_traceback(result, tmp_path / "out" / "logs")
@@ -114,8 +104,8 @@ def test_a_training_that_stopped_learning_is_a_divergence(longer_data, tmp_path,
 
 
 def test_divergence_check_off_trains_on(longer_data, tmp_path):
-    result = run_sh(tmp_path, tiny_args(longer_data, "out", "--lr", "1e-07", "--tracking", "off",
-                                        "--log-interval", "8", "--divergence-check", "off"))
+    result = run_sh(tmp_path, tiny_args(longer_data, "out", "--lr", "1e-07", "--tracking", "off", "--log-interval",
+                                        "8", "--divergence-check", "off"), WORKERS="2")
     assert result.returncode == 0, result.console[-3000:]
     summary = read_summary(tmp_path / "out")
     # What the check stops: no better than guessing after 256 steps.
