@@ -149,6 +149,15 @@ def job_processes(pid):
         return []
 
 
+def runs_main_py(process):
+    """Whether `process` runs the job's main.py; False for one that ended meanwhile (run.sh's sleeps and greps
+    come and go while it watches the job)."""
+    try:
+        return str(ROOT / "main.py") in process.cmdline()
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_all(processes):
     """SIGKILL each process and wait until it is gone."""
     for process in processes:

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from fmnist import checkpoints, common
-from conftest import (ROOT, alive, job_env, job_processes, kill_all, mlflow_server, read_summary, run_main, run_msrun,
-                      tiny_args, wait_for, worker_pids)
+from conftest import (ROOT, alive, job_env, job_processes, kill_all, mlflow_server, read_summary, run_main,
+                      run_msrun, runs_main_py, tiny_args, wait_for, worker_pids)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -150,7 +150,7 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
         target = int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True,
                                     check=True).stdout.split()[0])
     # The job's processes by their pids on this host (in a PID namespace, the workers log other numbers).
-    job_workers = [p.pid for p in job_processes(job.pid) if str(ROOT / "main.py") in p.cmdline()]
+    job_workers = [p.pid for p in job_processes(job.pid) if runs_main_py(p)]
     assert len(job_workers) >= 2, job_workers  # both workers, and msrun's scheduler, which runs main.py too
     signalled = time.monotonic()
     os.kill(target, signal.SIGTERM)
