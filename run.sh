@@ -160,9 +160,20 @@ without_launcher_traceback() {
 }
 
 end_msrun() {
-  # msrun's workers and scheduler are its children, each in a session of its own.
-  pkill -KILL -P "$1" 2>/dev/null || true
-  kill -KILL "$1" 2>/dev/null || true
+  # msrun's workers and scheduler are its children, each in a session of its own. SIGKILL takes a moment to
+  # free a worker's memory: run.sh ends only when they are gone (or zombies), so nothing outlives it.
+  local pids pid state
+  pids=$(pgrep -P "$1" || true)
+  # shellcheck disable=SC2086  # one pid per word
+  kill -KILL $pids "$1" 2>/dev/null || true
+  for _ in $(seq 100); do
+    state=""
+    for pid in $pids; do
+      state+=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1 | tr -d Z)
+    done
+    [[ -z "$state" ]] && return
+    sleep 0.1
+  done
 }
 
 command -v msrun >/dev/null || die "msrun not found: activate the environment with MindSpore installed (see README)"
