@@ -1,6 +1,7 @@
 # Everyday commands; each does all the set-up it needs on a fresh machine (a venv in .venv, pinned packages).
 #   make run    train with ./run.sh: one worker per Ascend device, else 2 CPU workers (ARGS="--epochs 3")
-#   make test   the whole test suite, as CI runs it
+#   make test   the test suite, as CI runs it (all but the image's tests)
+#   make test-image  build the image with podman and run it, and the manifests' pods (as root; a few minutes)
 #   make bench  the benchmark on the real data (BENCH_ARGS="--epochs 2 --compare-workers 1")
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,13 +9,20 @@ CHECKOV_VENV ?= .venv-checkov
 BIN := $(abspath $(VENV))/bin
 SYSTEM_DATA := /usr/share/datasets/fashion-mnist
 
-.PHONY: run test bench system-data clean
+# What podman needs to build and run the image here, and mmdebstrap, which makes the tests' Debian base.
+IMAGE_TOOLS := podman runc netavark aardvark-dns iptables catatonit mmdebstrap
+
+.PHONY: run test test-image image-tools bench system-data clean
 
 run: $(VENV)/.runtime system-data
 	PATH="$(BIN):$$PATH" ./run.sh $(ARGS)
 
 test: $(VENV)/.dev
-	PATH="$(BIN):$$PATH" python -m pytest $(PYTEST_ARGS)
+	PATH="$(BIN):$$PATH" python -m pytest -m "not image" $(PYTEST_ARGS)
+
+# IMAGE_TESTS=required: a machine that cannot run them fails them instead of skipping them.
+test-image: $(VENV)/.dev image-tools
+	IMAGE_TESTS=required PATH="$(BIN):$$PATH" python -m pytest -m image $(PYTEST_ARGS)
 
 bench: $(VENV)/.runtime system-data
 	PATH="$(BIN):$$PATH" python bench/bench.py $(BENCH_ARGS)
@@ -38,6 +46,13 @@ system-data:
 		echo "installing dataset-fashion-mnist with apt-get"; \
 		(apt-get update -qq && apt-get install -y -qq --no-install-recommends dataset-fashion-mnist >/dev/null) \
 			|| echo "apt-get could not install dataset-fashion-mnist; the job will download the data"; \
+	fi
+
+# As root on Debian or Ubuntu; elsewhere the tests name what is missing.
+image-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(IMAGE_TOOLS) with apt-get"; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $(IMAGE_TOOLS) >/dev/null; \
 	fi
 
 clean:

@@ -101,10 +101,15 @@ report_failure() {
   echo "run.sh: all logs are in $log_dir" >&2
 }
 
+children_of() {
+  # The kernel's own list (no procps: slim images lack pgrep).
+  cat "/proc/$1/task/"*/children 2>/dev/null || true
+}
+
 workers_of() {
   # msrun's worker processes (not its scheduler or log tails), by the role msrun gives them.
   local pid
-  for pid in $(pgrep -P "$1" || true); do
+  for pid in $(children_of "$1"); do
     if tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qx 'MS_ROLE=MS_WORKER'; then
       echo "$pid"
     fi
@@ -163,7 +168,7 @@ end_msrun() {
   # msrun's workers and scheduler are its children, each in a session of its own. SIGKILL takes a moment to
   # free a worker's memory: run.sh ends only when they are gone (or zombies), so nothing outlives it.
   local pids pid state
-  pids=$(pgrep -P "$1" || true)
+  pids=$(children_of "$1")
   # shellcheck disable=SC2086  # one pid per word
   kill -KILL $pids "$1" 2>/dev/null || true
   for _ in $(seq 100); do

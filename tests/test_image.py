@@ -1,0 +1,289 @@
+"""The image, built from the real Dockerfile and run with podman as `docker run` and Kubernetes run it.
+
+podman stands in for both: no Docker engine and no Kubernetes API run here. `podman kube play` runs Pods, not
+Jobs, so each Job's Pod is derived from the Job's own template (`pod_of`), changed only where this machine
+differs from an Ascend cluster: no NPUs (the huawei.com resources and the driver's host files go), no registry
+(the image is the one built here, never pulled), a small run (the ConfigMap's sizes), and what podman does
+otherwise than Kubernetes (a containerPort, an emptyDir's name, DNS for the headless Service). What only a
+real API server checks, the Job's own fields, stays with kubernetes-validate and checkov in test_deploy.py.
+
+These tests take minutes (the image builds in about 3): `make test-image` runs them, as root, after installing
+podman, runc and mmdebstrap from Debian; `make test` leaves them out.
+"""
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, write_dataset
+
+pytestmark = [pytest.mark.image, pytest.mark.timeout(1200)]
+
+CONF = Path(__file__).with_name("containers.conf")
+BASE = "localhost/fashion-mnist-test-base:bookworm"  # what python:3.11-slim-bookworm is built on
+IMAGE = "localhost/fashion-mnist-mindspore:test"
+# The build reaches PyPI as this machine does, through the Dockerfile's build secrets: none of it lands in the
+# image.
+BUILD_SECRETS = {"pip.conf": "/etc/pip.conf", "ca-bundle": "/etc/ssl/certs/ca-certificates.crt"}
+JOB_UID = 1000  # the manifests' runAsUser and the image's USER
+# The Job's security context as `podman run` flags (the pod tests take it from the manifests themselves).
+AS_THE_JOB = ["--user=1000:1000", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
+              "--tmpfs=/tmp", "--env=HOME=/tmp"]
+SMALL_RUN = {"EPOCHS": "2", "BATCH_SIZE": "16", "LOG_INTERVAL": "2", "CHECKSUMS_FILE": "/workspace/data/CHECKSUMS",
+             "DATA_MIRRORS": "", "TRACKING": "off"}
+GRACE_SECONDS = 30  # the manifests' terminationGracePeriodSeconds
+
+
+def podman(*args, check=True, timeout=600):
+    result = subprocess.run(["podman", *args], env={**os.environ, "CONTAINERS_CONF": str(CONF)},
+                            capture_output=True, text=True, timeout=timeout, check=False)
+    if check:
+        assert result.returncode == 0, f"podman {' '.join(args[:3])}: {result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="session")
+def image(tmp_path_factory):
+    """The CPU image from the real Dockerfile on a Debian bookworm base made here (no registry is reachable)."""
+    missing = [tool for tool in ("podman", "runc", "mmdebstrap") if not shutil.which(tool)]
+    if missing or os.geteuid() != 0:
+        why = f"{', '.join(missing) or 'root'} needed"
+        if os.environ.get("IMAGE_TESTS") == "required":
+            pytest.fail(f"the image tests cannot run here: {why}")
+        pytest.skip(f"{why}: run `sudo make test-image`, which installs podman, runc and mmdebstrap (Debian)")
+    if podman("image", "exists", BASE, check=False).returncode != 0:
+        tarball = tmp_path_factory.mktemp("base") / "bookworm.tar"
+        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
+                        str(tarball)], check=True, timeout=600)
+        podman("import", str(tarball), BASE)
+    started = time.monotonic()
+    podman("build", "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "GIT_COMMIT=test",
+           *[f"--secret=id={name},src={path}" for name, path in BUILD_SECRETS.items() if Path(path).exists()],
+           "--tag", IMAGE, str(ROOT), timeout=1800)
+    size = json.loads(podman("image", "inspect", IMAGE).stdout)[0]["Size"]
+    print(f"\nimage built in {time.monotonic() - started:.0f} s (layer cache included): {size / 1e9:.2f} GB")
+    return IMAGE
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """The job's volume: a small dataset in data/, owned by the job's user as fsGroup would make it."""
+    root = tmp_path / "workspace"
+    write_dataset(root / "data")
+    chown_tree(root, JOB_UID)
+    return root
+
+
+def chown_tree(root, uid):
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, uid, uid)
+
+
+def foreign_files(root):
+    """Files on the volume that the job's user does not own."""
+    return [str(p) for p in [root, *root.rglob("*")] if p.stat().st_uid != JOB_UID]
+
+
+def env_flags(env):
+    return [f"--env={name}={value}" for name, value in env.items()]
+
+
+# --- the image alone, as `docker run` runs it
+
+
+def test_image_holds_the_job_and_nothing_of_the_build(image):
+    listing = podman("run", "--rm", "--user=0", "--entrypoint=/bin/sh", image, "-c",
+                     "ls /opt/job /opt/job/fmnist; ls -A /var/lib/apt/lists /root/.cache 2>&1; "
+                     "ls /etc/pip.conf 2>&1; command -v gcc || true").stdout
+    assert re.search(r"^main\.py$", listing, re.M) and re.search(r"^run\.sh$", listing, re.M)
+    assert "settings.py" in listing and "__pycache__" not in listing and "tests" not in listing
+    assert "ls: cannot access '/root/.cache': No such file" in listing  # pip kept no cache
+    assert "ls: cannot access '/etc/pip.conf'" in listing  # the build's secrets left nothing behind
+    assert not listing.rstrip().endswith("gcc")  # no compiler
+
+
+def test_image_trains_two_workers_with_the_jobs_security_context(image, workspace):
+    result = podman("run", "--rm", *AS_THE_JOB, f"--volume={workspace}:/workspace", *env_flags(SMALL_RUN), image,
+                    check=False)
+    console = result.stdout + result.stderr
+    assert result.returncode == 0, console[-3000:]
+    summary = json.loads((workspace / "outputs" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["replicas_identical"] is True
+    assert len(summary["epoch_history"]) == 2  # the setting came through the environment
+    assert foreign_files(workspace) == []
+    assert "Traceback" not in console and "ERROR" not in console
+
+
+def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes(image, workspace, tmp_path):
+    write_dataset(workspace / "data", splits={"train": 8192, "t10k": 256})  # epochs of a few seconds
+    chown_tree(workspace, JOB_UID)
+    name = f"fmnist-stop-{os.getpid()}"
+    run = ["run", *AS_THE_JOB, f"--volume={workspace}:/workspace", *env_flags({**SMALL_RUN, "EPOCHS": "3"})]
+    podman(*run, "--detach", f"--name={name}", image)
+    try:
+        worker0 = workspace / "outputs" / "logs" / "worker_0.log"
+        deadline = time.monotonic() + 300
+        while not (worker0.exists() and re.search(r"epoch 2/3 \| step 16/", worker0.read_text(errors="replace"))):
+            assert time.monotonic() < deadline, podman("logs", name, check=False).stderr[-3000:]
+            assert podman("container", "inspect", "--format={{.State.Running}}", name).stdout.strip() == "true"
+            time.sleep(0.5)
+        signalled = time.monotonic()
+        podman("stop", f"--time={GRACE_SECONDS}", name, timeout=GRACE_SECONDS + 30)
+        stopped_after = time.monotonic() - signalled
+        status = int(podman("wait", name).stdout.strip())
+        logs = podman("logs", name).stderr
+    finally:
+        podman("rm", "--force", name, check=False)
+    print(f"podman stop took {stopped_after:.1f} s")
+    assert status == 128 + signal.SIGTERM, logs[-3000:]
+    assert stopped_after < GRACE_SECONDS  # within the grace period, so not SIGKILLed by podman
+    assert "run the same command again to resume" in logs
+    assert (workspace / "outputs" / "checkpoints" / "epoch-0001.ckpt").exists()
+    rerun = podman(*run, "--rm", image, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert re.search(r"resuming from \S+/epoch-0001\.ckpt: 1 of 3 epochs done", worker0.read_text())
+    assert json.loads((workspace / "outputs" / "summary.json").read_text())["replicas_identical"] is True
+    assert foreign_files(workspace) == []
+
+
+# --- the manifests' own pods
+
+
+def pod_of(job, index=None):
+    """The Pod a Job's controller would create from its template, less what needs an Ascend server."""
+    spec = copy.deepcopy(job["spec"]["template"]["spec"])
+    driver_files = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}  # the Ascend driver's
+    spec["volumes"] = [volume for volume in spec["volumes"] if volume["name"] not in driver_files]
+    for container in spec["containers"]:
+        container["image"], container["imagePullPolicy"] = IMAGE, "Never"
+        # Kubernetes only lists a containerPort; podman 4 publishes it on the host, where two pods collide.
+        container.pop("ports", None)
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in driver_files]
+        for part in ("requests", "limits"):
+            resources = container["resources"][part]
+            container["resources"][part] = {k: v for k, v in resources.items() if not k.startswith("huawei.com/")}
+        if index is not None:  # what an Indexed Job's controller adds
+            container["env"].append({"name": "JOB_COMPLETION_INDEX", "value": str(index)})
+    if index is not None:  # podman names an emptyDir's volume after it alone: one of its own per pod
+        for volume in spec["volumes"]:
+            if "emptyDir" in volume:
+                for container in spec["containers"]:
+                    for mount in container["volumeMounts"]:
+                        if mount["name"] == volume["name"]:
+                            mount["name"] = f"{volume['name']}-{index}"
+                volume["name"] = f"{volume['name']}-{index}"
+    name = job["metadata"]["name"] if index is None else f"{job['metadata']['name']}-{index}"
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}
+
+
+def rendered(manifest):
+    """The manifest's documents, as `kubectl apply` would send them (an overlay through kubectl's kustomize)."""
+    if manifest.endswith(".yaml"):
+        return list(yaml.safe_load_all((ROOT / manifest).read_text()))
+    result = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", manifest], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    return list(yaml.safe_load_all(result.stdout))
+
+
+@pytest.fixture
+def volumes(workspace):
+    """Binds a pod's PersistentVolumeClaim to the workspace, as podman's volume of the claim's name."""
+    created = set()
+
+    def bind(pod):
+        for volume in pod["spec"]["volumes"]:
+            claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+            if claim and claim not in created:
+                podman("volume", "create", "--opt=type=none", "--opt=o=bind", f"--opt=device={workspace}", claim)
+                created.add(claim)
+
+    yield bind
+    for claim in created:
+        podman("volume", "rm", "--force", claim, check=False)
+
+
+def play(pods, tmp_path, *flags):
+    """`podman kube play` of the given documents; the pods' names, to end them afterwards."""
+    path = tmp_path / f"{pods[-1]['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump_all(pods))
+    podman("kube", "play", *flags, str(path))
+    return path
+
+
+def wait(container, timeout=600):
+    return int(podman("wait", container, timeout=timeout).stdout.strip())
+
+
+@pytest.mark.parametrize("manifest", ["k8s-job.yaml", "overlays/ascend-310p"])
+def test_the_jobs_own_pod_trains_as_kubernetes_would_run_it(image, manifest, workspace, volumes, tmp_path):
+    docs = rendered(manifest)
+    job = next(doc for doc in docs if doc["kind"] == "Job")
+    config = next(doc for doc in docs if doc["kind"] == "ConfigMap")
+    del config["data"]["MLFLOW_TRACKING_URI"]  # the cluster's server; tracking is tested in test_tracking.py
+    config["data"].update(SMALL_RUN)
+    pod = pod_of(job)
+    volumes(pod)
+    container = f"{pod['metadata']['name']}-{pod['spec']['containers'][0]['name']}"
+    path = play([config, pod], tmp_path)
+    try:
+        status = wait(container)
+        inspected = json.loads(podman("container", "inspect", container).stdout)[0]
+        logs = podman("logs", container).stdout + podman("logs", container).stderr
+    finally:
+        podman("kube", "down", str(path), check=False)
+    assert status == 0, logs[-3000:]
+    summary = json.loads((workspace / "outputs" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["replicas_identical"] is True
+    assert len(summary["epoch_history"]) == 2  # the ConfigMap's EPOCHS
+    assert foreign_files(workspace) == []
+    # The manifest's security context and limits, as podman applied them.
+    host = inspected["HostConfig"]
+    assert inspected["Config"]["User"] == "1000:1000"
+    assert host["ReadonlyRootfs"] is True and "no-new-privileges" in host["SecurityOpt"]
+    assert inspected["EffectiveCaps"] in (None, [])
+    assert host["Memory"] == 64 * 2**30
+    assert host["NanoCpus"] == 16 * 10**9
+    assert {mount["Destination"] for mount in inspected["Mounts"] if mount["RW"]} == {"/workspace", "/tmp"}
+
+
+def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
+    """Index 0 and 1 of the Indexed Job, on one network. In Kubernetes, index 0's name in MASTER_ADDR resolves
+    through the Job's headless Service; here each pod's /etc/hosts names index 0's fixed address."""
+    docs = rendered("k8s-multinode.yaml")
+    job = next(doc for doc in docs if doc["kind"] == "Job")
+    network, subnet = f"fmnist-{os.getpid()}", "10.89.77"
+    podman("network", "create", f"--subnet={subnet}.0/24", network)
+    pods = [pod_of(job, index) for index in (0, 1)]
+    master = next(e["value"] for e in pods[0]["spec"]["containers"][0]["env"] if e["name"] == "MASTER_ADDR")
+    for pod in pods:
+        pod["spec"]["hostAliases"] = [{"ip": f"{subnet}.10", "hostnames": [master]}]
+        env = pod["spec"]["containers"][0]["env"]
+        env[:] = [e for e in env if e["name"] not in ("WORKERS", "MLFLOW_TRACKING_URI")]
+        env += [{"name": "WORKERS", "value": "1"}] + [{"name": k, "value": v} for k, v in SMALL_RUN.items()]
+    for pod in pods:
+        volumes(pod)
+    containers = [f"{pod['metadata']['name']}-train" for pod in pods]
+    played = []
+    try:
+        for index, pod in enumerate(pods):
+            played.append(play([pod], tmp_path, f"--network={network}", f"--ip={subnet}.{10 + index}"))
+        statuses = [wait(container) for container in containers]
+        logs = [podman("logs", container).stdout + podman("logs", container).stderr for container in containers]
+    finally:
+        for path in played:
+            podman("kube", "down", str(path), check=False)
+        podman("network", "rm", "--force", network, check=False)
+    assert statuses == [0, 0], logs
+    summary = json.loads((workspace / "outputs" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["replicas_identical"] is True
+    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
+    assert foreign_files(workspace) == []
