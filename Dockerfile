@@ -12,7 +12,6 @@ FROM ${BASE_IMAGE}
 # 1 bakes Fashion-MNIST into the image (Debian/Ubuntu package dataset-fashion-mnist) so pods need no
 # internet; the job finds it in /usr/share/datasets/fashion-mnist. 0 leaves the download to the job.
 ARG BAKE_DATA=1
-ARG GIT_COMMIT=""
 
 USER 0
 
@@ -51,6 +50,9 @@ RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
 COPY main.py run.sh ./
 COPY fmnist/ ./fmnist/
 
+# Declared here, after every RUN: a build argument is part of each later RUN's cache key, so a new commit
+# would otherwise reinstall every package.
+ARG GIT_COMMIT=""
 ENV PYTHONUNBUFFERED=1 \
     MPLBACKEND=Agg \
     MPLCONFIGDIR=/tmp/matplotlib \
