@@ -2,6 +2,8 @@
 `mlflow models serve` as a pyfunc model whose loader is this module."""
 
 import os
+import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -72,17 +74,68 @@ def prediction_frame(logits):
                          "probabilities": [row.tolist() for row in probabilities]})
 
 
+# MindSpore's graph executor, one per process behind every cell, is not safe to enter from two threads: two
+# calls at once crash the process (SIGSEGV) or hang it, whether they share one cell or each have their own.
+# `mlflow models serve` answers requests on a pool of threads, so the network runs one batch at a time; the
+# checks and the answer around it do not wait. One LeNet batch takes a millisecond or two (README).
+_GRAPH_EXECUTOR = threading.Lock()
+
+
+def pixels(batch):
+    """The served model's input contract: a batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files
+    hold them. Returns it as uint8; ValueError naming what is wrong (MLflow answers it with 400)."""
+    values = np.asarray(batch)
+    expected = (data.IMAGE_SIZE, data.IMAGE_SIZE)
+    if values.dtype.kind not in "biuf":
+        raise ValueError(f"pixel values must be numbers; got values of type {values.dtype}")
+    if values.ndim != 3 or values.shape[1:] != expected:
+        raise ValueError(f"expected a batch of {expected[0]}x{expected[1]} images, shape [N, {expected[0]}, "
+                         f"{expected[1]}]; got shape {list(values.shape)}")
+    if values.shape[0] == 0:
+        raise ValueError("the batch is empty: send at least one image")
+    if not np.isfinite(values).all():
+        raise ValueError("pixel values must be finite numbers from 0 to 255")
+    if (values != np.round(values)).any():
+        raise ValueError(f"pixel values must be whole numbers from 0 to 255, as in the IDX files; got "
+                         f"{values[values != np.round(values)].flat[0]:g} (normalized values are not accepted: "
+                         "send the raw pixels)")
+    if values.min() < 0 or values.max() > 255:
+        bad = values[(values < 0) | (values > 255)].flat[0]
+        raise ValueError(f"pixel values must be from 0 to 255; got {bad:g}")
+    return values.astype(np.uint8)
+
+
+def served_signature(example, predictions):
+    """The MLflow model's signature and input example. The input is declared float64, though pixels are whole
+    numbers: MLflow casts a request's JSON to the declared type before the model sees it, and a uint8 type
+    would wrap 300 to 44 and cut 0.5 to 0 unseen; float64 passes every value on for pixels() to judge."""
+    import mlflow  # pylint: disable=import-outside-toplevel
+    example = np.asarray(example, dtype=np.float64)
+    with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
+        warnings.simplefilter("ignore", UserWarning)
+        return mlflow.models.infer_signature(example, predictions), example
+
+
 class ServedModel:
-    """The exported model as `mlflow models serve` runs it. In: a batch of 28x28 grayscale images as 0-255
-    pixel values, oriented as in the IDX files ([N, 28, 28]). Out: prediction_frame(). The preprocessing is
-    the training's own (data.to_model_input)."""
+    """The exported model as `mlflow models serve` runs it. In: pixels(). Out: prediction_frame(). The
+    preprocessing is the training's own (data.to_model_input)."""
 
     def __init__(self, mindir):
         self.net = nn.GraphCell(ms.load(str(mindir)))
+        self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))  # compiled now, not by a request
 
     def predict(self, model_input, params=None):  # pylint: disable=unused-argument
-        images = np.asarray(model_input, dtype=np.uint8)
-        return prediction_frame(self.net(Tensor(data.to_model_input(images))).asnumpy())
+        from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+        try:
+            images = pixels(model_input)
+        except ValueError as exc:
+            raise MlflowException.invalid_parameter_value(str(exc)) from None
+        return prediction_frame(self._logits(images))
+
+    def _logits(self, images):
+        features = Tensor(data.to_model_input(images))
+        with _GRAPH_EXECUTOR:
+            return self.net(features).asnumpy()
 
 
 def _load_pyfunc(path):

@@ -72,12 +72,10 @@ def log_served_model(mlflow, client, payload):
     """Log the exported MindIR as the run's MLflow model `model` (pyfunc, loaded by serving._load_pyfunc), with
     its signature, an input example of real test images and the job's pinned requirements; register it when
     asked, tagged with the test accuracy. Runs on the tracker's thread, inside the run."""
-    with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
-        warnings.simplefilter("ignore", UserWarning)
-        signature = mlflow.models.infer_signature(payload["example"], payload["predictions"])
+    signature, example = serving.served_signature(payload["example"], payload["predictions"])
     info = mlflow.pyfunc.log_model(
         name="model", loader_module=serving.__name__, data_path=payload["mindir"],
-        code_paths=[str(PACKAGE_DIR)], signature=signature, input_example=payload["example"],
+        code_paths=[str(PACKAGE_DIR)], signature=signature, input_example=example,
         pip_requirements=str(REQUIREMENTS),
         registered_model_name=payload["register_as"] or None, await_registration_for=MLFLOW_FINISH_TIMEOUT_S)
     if payload["register_as"]:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def test_trained_model_is_the_runs_mlflow_model_with_signature_example_and_pins(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # for this test only: later ones pick their own servers
     info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
     assert info.flavors["python_function"]["loader_module"] == "fmnist.serving"
-    assert [(spec.type, spec.shape) for spec in info.signature.inputs.inputs] == [(np.dtype("uint8"), (-1, 28, 28))]
+    # float64, so that MLflow passes every value on for the model to check (fmnist.serving.served_signature)
+    assert [(spec.type, spec.shape) for spec in info.signature.inputs.inputs] == [(np.dtype("float64"), (-1, 28, 28))]
     assert info.signature.outputs.input_names() == ["class_index", "class_name", "probabilities"]
     assert info.saved_input_example_info is not None
     assert [output.model_id for output in run.outputs.model_outputs] == [info.model_id]  # the run's logged model
@@ -123,36 +125,93 @@ def test_system_metrics_of_the_one_node_come_from_rank_0(tracked_run):
     assert len(client.get_metric_history(run.info.run_id, "system/node0/cpu_utilization_percentage")) >= 1
 
 
-def test_mlflow_models_serve_answers_as_the_job_predicts(tracked_run, tracked_job, tiny_data):
-    """The real `mlflow models serve` on the run's model, asked about test images with POST /invocations."""
+@pytest.fixture(scope="module")
+def served(tracked_run, tracked_job, tiny_data):
+    """The real `mlflow models serve` on the run's model; yields a function that POSTs a body to
+    /invocations and returns (status, parsed answer), and the test images."""
     import gzip  # pylint: disable=import-outside-toplevel
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
     _, run, _ = tracked_run
     url, directory, _ = tracked_job
     port = free_port()
-    env = job_env(MLFLOW_TRACKING_URI=url)
     log_file = open(directory / "serve.log", "wb")  # pylint: disable=consider-using-with
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"runs:/{run.info.run_id}/model",
                                "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                              cwd=directory, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+                              cwd=directory, env=job_env(MLFLOW_TRACKING_URI=url), stdout=log_file,
+                              stderr=subprocess.STDOUT)
+
+    def invoke(body):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", headers={"Content-Type": "application/json"},
+                                         data=body if isinstance(body, bytes) else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
     try:
         wait_until_up(f"http://127.0.0.1:{port}/ping", server, directory / "serve.log")
-        images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))[:24]
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
-                                         data=json.dumps({"inputs": images.tolist()}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            predictions = json.loads(response.read())["predictions"]
+        images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))
+        yield invoke, images
+        assert server.poll() is None, (directory / "serve.log").read_text()[-3000:]  # alive after every test
     finally:
         server.terminate()
         server.wait(timeout=30)
         log_file.close()
+
+
+def test_mlflow_models_serve_answers_as_the_job_predicts(served, tracked_job):
+    """The real `mlflow models serve` on the run's model, asked about test images with POST /invocations."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    invoke, images = served
+    _, directory, _ = tracked_job
+    status, answer = invoke({"inputs": images[:24].tolist()})
+    assert status == 200, answer
+    predictions = answer["predictions"]
     net = model.LeNet()
     ms.load_param_into_net(net, ms.load_checkpoint(str(directory / "out" / "model.ckpt")))
-    expected = net(ms.Tensor(data.to_model_input(images))).asnumpy().argmax(axis=1)
+    expected = net(ms.Tensor(data.to_model_input(images[:24]))).asnumpy().argmax(axis=1)
     assert [p["class_index"] for p in predictions] == expected.tolist()
     assert [p["class_name"] for p in predictions] == [data.CLASS_NAMES[c] for c in expected]
     assert all(len(p["probabilities"]) == 10 and abs(sum(p["probabilities"]) - 1) < 1e-6 for p in predictions)
+
+
+def test_served_model_answers_16_concurrent_clients_as_it_answers_one(served):
+    """64 requests of 4 images from 16 clients at once: MindSpore's graph executor, entered from two of the
+    server's threads at once, crashes the process; each answer must be the one the same request gets alone."""
+    from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+    invoke, images = served
+    bodies = [{"inputs": images[4 * (i % 24): 4 * (i % 24) + 4].tolist()} for i in range(64)]
+    alone = [invoke(body) for body in bodies[:24]]
+    with ThreadPoolExecutor(16) as clients:
+        together = list(clients.map(invoke, bodies))
+    assert [status for status, _ in together] == [200] * 64, [a for s, a in together if s != 200][:3]
+    assert together == [alone[i % 24] for i in range(64)]
+
+
+BAD_INPUTS = {  # what is sent in "inputs", and what the answer must say
+    "a pixel above 255": ([[[300] * 28] * 28], "must be from 0 to 255; got 300"),
+    "a negative pixel": ([[[-1] * 28] * 28], "must be from 0 to 255; got -1"),
+    "normalized floats": ([[[0.5] * 28] * 28], "must be whole numbers from 0 to 255"),
+    "32x32 images": ([[[0] * 32] * 32], "shape"),
+    "one image without its batch": ([[0] * 28] * 28, "shape"),
+    "an empty batch": ([], ""),
+    "text": ([[["dark"] * 28] * 28], ""),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_served_model_refuses_input_outside_its_contract(served, case):
+    invoke, _ = served
+    inputs, names = BAD_INPUTS[case]
+    status, answer = invoke({"inputs": inputs})
+    assert status == 400, answer
+    assert names in answer["message"], answer
+
+
+def test_served_model_refuses_a_broken_request(served):
+    invoke, _ = served
+    status, answer = invoke(b'{"inputs": [[[0, 1')
+    assert status == 400, answer
 
 
 def test_training_loss_is_the_mean_over_ranks(tracked_run):
