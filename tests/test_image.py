@@ -68,6 +68,7 @@ def image(tmp_path_factory):
     podman("build", "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "GIT_COMMIT=test",
            *[f"--secret=id={name},src={path}" for name, path in BUILD_SECRETS.items() if Path(path).exists()],
            "--tag", IMAGE, str(ROOT), timeout=1800)
+    podman("image", "prune", "--force")  # the image this build replaced
     size = json.loads(podman("image", "inspect", IMAGE).stdout)[0]["Size"]
     print(f"\nimage built in {time.monotonic() - started:.0f} s (layer cache included): {size / 1e9:.2f} GB")
     return IMAGE
@@ -109,6 +110,21 @@ def test_image_holds_the_job_and_nothing_of_the_build(image):
     assert {"main.py", "run.sh", "requirements.txt", "settings.py", "package lists: 0"} <= lines, listing
     assert "tests" not in lines and "__pycache__" not in lines
     assert "left:" not in listing, listing  # no pip cache, none of the build's secrets, no build tools
+
+
+def test_a_change_to_the_code_rebuilds_without_reinstalling_the_packages(image, tmp_path):
+    """The build context with main.py changed and another commit: every step up to the code's is cached."""
+    context = tmp_path / "context"
+    shutil.copytree(ROOT, context, ignore=shutil.ignore_patterns(".*", "tests", "bench", "outputs", "__pycache__"))
+    shutil.copy(ROOT / ".dockerignore", context)
+    with (context / "main.py").open("a") as source:
+        source.write("# changed\n")
+    build = podman("build", "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "GIT_COMMIT=another",
+                   "--tag", f"{IMAGE}-changed", str(context))
+    podman("rmi", f"{IMAGE}-changed")
+    steps = re.split(r"^STEP \d+/\d+: ", build.stdout, flags=re.MULTILINE)[1:]
+    rebuilt = [step.splitlines()[0] for step in steps[1:] if "Using cache" not in step]  # after FROM
+    assert rebuilt[0].startswith("COPY main.py"), rebuilt
 
 
 def test_image_trains_two_workers_with_the_jobs_security_context(image, workspace):
