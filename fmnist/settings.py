@@ -96,6 +96,8 @@ SETTINGS = (
             free_on_resume=True),
     Setting("--run-name", str, "", "MLflow run name (default: MLflow picks one)", free_on_resume=True),
     Setting("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"), free_on_resume=True),
+    Setting("--tracking-wait", int, 60, "seconds a finishing job waits for an unreachable MLflow server before "
+            "leaving what it did not send in <output-dir>/mlflow-pending.jsonl", check=positive, free_on_resume=True),
     Setting("--register-model", str, "", "register the trained model under this name in the MLflow Model "
             "Registry (default: not registered)", free_on_resume=True),
     Setting("--divergence-check", str, "on", "on: stop as diverged (exit 3) when the training loss explodes, or "

@@ -4,9 +4,10 @@ system metrics per node, artifacts, and the trained model as an MLflow model."""
 import collections
 import dataclasses
 import hashlib
-import itertools
+import json
+import logging
 import os
-import queue
+import sys
 import threading
 import time
 import warnings
@@ -26,6 +27,9 @@ MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_
 # The UI's "Model training" view (not its GenAI one) for the job's experiment.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MLFLOW_FINISH_TIMEOUT_S = 60
+PENDING_FILE = "mlflow-pending.jsonl"  # in the output directory: what the server did not take before the end
+BUFFER_LIMIT = 100_000  # operations waiting for the server before the job says so
+RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)  # between attempts while the server is away; then every 30 s
 MLFLOW_STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
 SERVING_EXAMPLE_IMAGES = 4  # test images stored with the MLflow model as its input example
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -35,6 +39,8 @@ REQUIREMENTS = PACKAGE_DIR.parent / "requirements.txt"
 def apply_mlflow_defaults():
     for name, value in MLFLOW_DEFAULTS.items():
         os.environ.setdefault(name, value)  # a user's setting wins
+    # urllib3 logs each retry of an unreachable server; the job's own line says so once.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
 
 
 def experiment_id(client, name):
@@ -105,33 +111,159 @@ class NullTracker:
         pass
 
 
+def transient(exc):
+    """Whether a failed request may succeed later: the server was unreachable, timed out or answered 5xx or 429.
+    A request it refused (4xx) or a file that is gone fails the same way every time."""
+    from mlflow.exceptions import RestException  # pylint: disable=import-outside-toplevel
+    if isinstance(exc, RestException):
+        return exc.get_http_status_code() >= 500 or exc.get_http_status_code() == 429
+    return not isinstance(exc, (FileNotFoundError, IsADirectoryError, ValueError, TypeError, KeyError))
+
+
+def describe(exc):
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+class Sender:
+    """Carries the job's tracking operations to MLflow, one at a time and in order. An operation is
+    (kind, payload), JSON-serializable so that what could not be sent can wait in the output directory:
+      run      the run the next operations belong to (its id)
+      start    create the run, or continue a resumed job's, with parameters, tags and datasets
+      metrics  [values, step, timestamp] lists, sent as one batch
+      artifact a file's path
+      model    the exported model to log as the run's MLflow model
+      end      the run's final status"""
+
+    def __init__(self):
+        import mlflow  # pylint: disable=import-outside-toplevel
+        self.mlflow, self.client, self.run_id = mlflow, mlflow.MlflowClient(), None
+        self.experiment_id = None
+
+    def send(self, kind, payload):
+        from mlflow.entities import Metric  # pylint: disable=import-outside-toplevel
+        if kind == "run":
+            self.run_id = payload
+        elif kind == "start":
+            self.run_id = self._start(**payload)
+        elif kind == "metrics":
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step)
+                                                        for values, step, ts in payload for k, v in values.items()])
+        elif kind == "artifact":
+            self.client.log_artifact(self.run_id, payload)
+        elif kind == "model":
+            with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
+                log_served_model(self.mlflow, self.client, payload)
+        elif kind == "end":
+            self.client.set_terminated(self.run_id, payload)
+
+    def _start(self, experiment, run_name, params, tags, resume_run_id, datasets):
+        from mlflow.entities import Dataset, DatasetInput, InputTag, Param  # pylint: disable=import-outside-toplevel
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT  # pylint: disable=import-outside-toplevel
+        if resume_run_id and not run_exists(self.client, resume_run_id):
+            log.warning("MLflow: the checkpoint's run %s is not at %s (another tracking store); continuing in a new "
+                        "run there, tagged resumed_from_run; the earlier epochs stay in the old one",
+                        resume_run_id, self.mlflow.get_tracking_uri())
+            tags, resume_run_id = {**tags, "resumed_from_run": resume_run_id}, None
+        if resume_run_id:  # a resumed job continues its run; parameters and datasets are already there
+            self.client.update_run(resume_run_id, status="RUNNING")
+            self.client.set_tag(resume_run_id, "resumed", "true")
+            self.experiment_id = self.client.get_run(resume_run_id).info.experiment_id
+            return resume_run_id
+        self.experiment_id = experiment_id(self.client, experiment)
+        run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_name or None)
+        run_id = run.info.run_id
+        self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self.client.log_inputs(run_id, [DatasetInput(Dataset(**entity), [InputTag(MLFLOW_DATASET_CONTEXT, context)])
+                                        for context, entity in datasets])
+        return run_id
+
+
+def dataset_entities(datasets):
+    """The datasets as MLflow's dataset entities (name, digest, source, schema, profile), computed from the
+    arrays here so that a run created later, from the output directory, gets the same."""
+    import mlflow  # pylint: disable=import-outside-toplevel
+    entities = []
+    for context, (images, labels, name, digest, source) in datasets:
+        with warnings.catch_warnings():  # that a local path could be one of two kinds of local source
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = mlflow.data.from_numpy(images, targets=labels, source=source, name=name, digest=digest)
+        entity = dataset._to_mlflow_entity()  # pylint: disable=protected-access
+        entities.append((context, {field: getattr(entity, field)
+                                   for field in ("name", "digest", "source_type", "source", "schema", "profile")}))
+    return entities
+
+
+def as_json(kind, payload):
+    """An operation as one line of the pending file (arrays and frames as lists)."""
+    if kind == "model":
+        payload = {**payload, "predictions": payload["predictions"].to_dict(orient="list")}
+    return json.dumps([kind, payload], default=lambda value: value.tolist())  # NumPy's arrays and scalars
+
+
+def from_json(line):
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import pandas as pd  # pylint: disable=import-outside-toplevel
+    kind, payload = json.loads(line)
+    if kind == "model":
+        payload = {**payload, "example": np.asarray(payload["example"], dtype=np.uint8),
+                   "predictions": pd.DataFrame(payload["predictions"])}
+    if kind == "metrics":
+        payload = [tuple(item) for item in payload]
+    return kind, payload
+
+
+def read_pending(output_dir):
+    path = Path(output_dir) / PENDING_FILE
+    return [from_json(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def write_pending(output_dir, operations):
+    """What was not sent, whole or not at all; none: no file."""
+    path = Path(output_dir) / PENDING_FILE
+    if operations:
+        common.write_atomic(path, "".join(as_json(*op) + "\n" for op in operations).encode())
+    else:
+        path.unlink(missing_ok=True)
+
+
 class MlflowTracker(NullTracker):
     """The job's one MLflow run, driven from rank 0 by a background thread.
 
-    Training never waits for tracking: connecting, creating the run and every request happen on the thread,
-    metrics queued between two requests go out as one batch, and the first failure (server down at start
-    or gone mid-run) turns tracking off with one warning instead of failing or stalling the job. finish()
-    waits a bounded time and says what was not logged. The run is MLflow's own kind: started with
-    mlflow.start_run, whose context providers add the user, the source and its git commit; it holds the
-    datasets, this node's system metrics and, at the end, the model as an MLflow model.
+    Training never waits for tracking: every request happens on the thread, in the order the job made them, and
+    metrics queued between two requests go out as one batch. When the server cannot be reached (down at start,
+    restarted, a network blip), the operations wait in a buffer and the thread retries with backoff; when the
+    server answers again they go out in order, and nothing is lost. The buffer holds BUFFER_LIMIT operations
+    (at one per log interval, days of training); beyond it the oldest wait in memory and the count is logged.
+    finish() waits a bounded time; then what was not sent goes to PENDING_FILE in the output directory, with
+    one line saying so, and the next start there (or `python -m fmnist.tracking OUTPUT_DIR`) sends it, the
+    run's final status last. The run is never left RUNNING by a job that ended, except for the time that
+    takes. A request the server refuses (4xx) is not retried: it is counted as not logged.
 
-    MLflow's own asynchronous logging (synchronous=False) queues metric batches on a thread too, but creating
-    the run, logging the datasets and the model stay synchronous, and a failed request surfaces only at its
-    flush; one thread of the job's own carries all of it, so the start never blocks, the finish is bounded,
-    and what was not logged is counted.
+    The run carries MLflow's own system tags (its context providers: user, source, git commit, resolved in the
+    job's process), the datasets, this node's system metrics and, at the end, the model as an MLflow model.
+    MLflow's asynchronous logging (synchronous=False) queues metric batches on a thread too, but creating the
+    run, logging the datasets and the model stay synchronous, and it keeps nothing across an outage; one
+    thread of the job's own carries all of it in order.
     """
 
-    def __init__(self, experiment, run_name, params, tags, resume_run_id=None, datasets=(), node="node0",
-                 finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
+    def __init__(self, experiment, run_name, params, tags, output_dir, resume_run_id=None, datasets=(),
+                 node="node0", finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
         apply_mlflow_defaults()
         self._finish_timeout = finish_timeout
-        self._queue = queue.SimpleQueue()
+        self._output_dir = Path(output_dir)
+        self._ops = collections.deque(read_pending(output_dir))  # an earlier start's, sent first
+        self._held_before = len(self._ops)
+        self._changed = threading.Condition()
+        self._stopped = threading.Event()
         self._not_logged = collections.Counter()
-        self._error = None
-        self._connected = threading.Event()  # set once the run exists or starting it failed
+        self._connected = threading.Event()  # set once this job's run exists or starting it failed once
         self._run_id = None
-        self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True,
-                                        args=(experiment, run_name, params, tags, resume_run_id, datasets, node))
+        self._sender = None
+        start = {"experiment": experiment, "run_name": run_name, "params": params, "tags": tags,
+                 "resume_run_id": resume_run_id, "datasets": datasets}
+        self._this_job = ("start", start)  # first, before any operation of this job's; made sendable on the thread
+        self._ops.append(self._this_job)
+        self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True, args=(start, node))
         self._thread.start()
 
     @property
@@ -144,108 +276,145 @@ class MlflowTracker(NullTracker):
         return self._run_id
 
     def log_metrics(self, metrics, step):
-        self._queue.put(("metrics", (dict(metrics), step, int(time.time() * 1000))))
+        self._put("metrics", [(dict(metrics), step, int(time.time() * 1000))])
 
     def log_artifact(self, path):
-        self._queue.put(("artifact", str(path)))
+        self._put("artifact", str(path))
 
     def log_model(self, mindir, example, predictions, register_as, test_accuracy):
-        self._queue.put(("model", {"mindir": str(mindir), "example": example, "predictions": predictions,
-                                   "register_as": register_as, "test_accuracy": test_accuracy}))
+        self._put("model", {"mindir": str(mindir), "example": example, "predictions": predictions,
+                            "register_as": register_as, "test_accuracy": test_accuracy})
 
     def finish(self, status, timeout=None):
         timeout = timeout or self._finish_timeout
-        self._queue.put(("end", status))
+        self._put("end", status)
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            self._fail(TimeoutError(f"no answer within {timeout:.0f} s"), "finishing the run")
-            while not self._queue.empty():
-                kind, payload = self._queue.get()
-                self._count_not_logged(kind, [payload])
+        if self._thread.is_alive():  # the server is away: what it did not take waits in the output directory
+            self._stopped.set()
+            with self._changed:
+                held = list(self._ops)
+                self._changed.notify()
+            run = [("run", self._sender.run_id)] if self._sender and self._sender.run_id else []
+            write_pending(self._output_dir, run + held)
+            log.warning("MLflow: the server did not answer within %.0f s; %s wait in %s: the next start with this "
+                        "output directory sends them, or `python -m fmnist.tracking %s`", timeout,
+                        summarize(held), self._output_dir / PENDING_FILE, self._output_dir)
         if self._not_logged:
             what = ", ".join(f"{n} {kind}" for kind, n in sorted(self._not_logged.items()))
-            log.warning("MLflow: not logged: %s (tracking failed: %s)", what, self._error)
+            log.warning("MLflow: not logged: %s (the server refused them)", what)
 
-    def _work(self, experiment, run_name, params, tags, resume_run_id, datasets, node):
-        import mlflow  # pylint: disable=import-outside-toplevel
-        from mlflow.entities import Metric as MlflowMetric  # pylint: disable=import-outside-toplevel
+    def _put(self, kind, payload):
+        with self._changed:
+            if kind == "metrics" and self._ops and self._ops[-1][0] == "metrics" and len(self._ops) > 1:
+                self._ops[-1] = ("metrics", self._ops[-1][1] + payload)  # waiting anyway: one batch
+            else:
+                self._ops.append((kind, payload))
+            if len(self._ops) == BUFFER_LIMIT:
+                log.warning("MLflow: %d operations wait for the server; more are kept in memory", BUFFER_LIMIT)
+            self._changed.notify()
+
+    def _work(self, start, node):
         from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
             SystemMetricsMonitor)
+        import mlflow  # pylint: disable=import-outside-toplevel
+        with self._changed:  # finish() may write it out meanwhile
+            start["tags"] = mlflow.tracking.context.registry.resolve_tags(start["tags"])  # as where the job runs
+            start["datasets"] = dataset_entities(start["datasets"])
         system_metrics = None
-        try:
-            client = mlflow.MlflowClient()
-            if resume_run_id and not run_exists(client, resume_run_id):
-                log.warning("MLflow: the checkpoint's run %s is not at %s (another tracking store); continuing "
-                            "in a new run there, tagged resumed_from_run; the earlier epochs stay in the old one",
-                            resume_run_id, mlflow.get_tracking_uri())
-                tags, resume_run_id = {**tags, "resumed_from_run": resume_run_id}, None
-            if resume_run_id:  # a resumed job continues its run; parameters and datasets are already there
-                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
-                client.set_tag(resume_run_id, "resumed", "true")
-            else:
-                run = mlflow.start_run(experiment_id=experiment_id(client, experiment), run_name=run_name or None,
-                                       tags=tags, log_system_metrics=False)
-                client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, str(v)) for k, v in params.items()])
-                for context, (images, labels, name, digest, source) in datasets:
-                    with warnings.catch_warnings():  # that a local path could be one of two kinds of local source
-                        warnings.simplefilter("ignore", UserWarning)
-                        dataset = mlflow.data.from_numpy(images, targets=labels, source=source, name=name, digest=digest)
-                    mlflow.log_input(dataset, context=context)
-            self._run_id = run.info.run_id
-            system_metrics = SystemMetricsMonitor(self._run_id, node_id=node)
-            system_metrics.start()
-            log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, experiment,
-                     run_page(mlflow.get_tracking_uri(), run.info.experiment_id, self._run_id))
-        except Exception as exc:  # pylint: disable=broad-except
-            self._fail(exc, f"starting a run at {mlflow.get_tracking_uri()}")
-        self._connected.set()
-        while True:
-            items = [self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get())
-            # Consecutive metric items become one request; order with artifacts and the end is kept.
-            for kind, group in itertools.groupby(items, key=lambda item: item[0]):
-                payloads = [payload for _, payload in group]
-                if kind == "end":
-                    if system_metrics:
-                        system_metrics.finish()
-                    if self._error is None:
-                        self._attempt(lambda: mlflow.end_run(payloads[0]), "ending the run", "run end")
+        self._sender = Sender()
+        failures = 0
+        while not self._stopped.is_set():
+            with self._changed:
+                while not self._ops and not self._stopped.is_set():
+                    self._changed.wait()
+                if self._stopped.is_set():
                     return
-                if self._error is not None:
-                    self._count_not_logged(kind, payloads)
-                elif kind == "artifact":
-                    for path in payloads:
-                        self._attempt(lambda p=path: client.log_artifact(self._run_id, p), f"logging {path}",
-                                      "artifacts")
-                elif kind == "model":
-                    self._attempt(lambda: log_served_model(mlflow, client, payloads[0]), "logging the model", "model")
+                kind, payload = self._ops[0]
+            if kind == "metrics" and len(payload) > 1:  # MLflow takes 1000 values a request
+                payload = payload[:max(1, 1000 // max(1, len(payload[0][0])))]
+            try:
+                self._sender.send(kind, payload)
+            except Exception as exc:  # pylint: disable=broad-except
+                if not transient(exc):
+                    self._not_logged[kind if kind != "metrics" else "metric values"] += count(kind, payload)
+                    log.warning("MLflow: %s not logged: %s", kind, describe(exc))
                 else:
-                    metrics = [MlflowMetric(k, float(v), ts, step)
-                               for values, step, ts in payloads for k, v in values.items()]
-                    self._attempt(lambda m=metrics: client.log_batch(self._run_id, metrics=m), "logging metrics",
-                                  "metric values", count=len(metrics))
+                    failures += 1
+                    self._connected.set()  # nobody waits for a run while the server is away
+                    if failures == 1:
+                        log.warning("MLflow: cannot reach %s (%s); the job's tracking waits and is retried; "
+                                    "training goes on", mlflow.get_tracking_uri(), describe(exc))
+                    self._stopped.wait(RETRY_DELAYS_S[min(failures, len(RETRY_DELAYS_S)) - 1])
+                    continue
+            if failures:
+                log.info("MLflow: %s answers again; sending what waited", mlflow.get_tracking_uri())
+                failures = 0
+            with self._changed:
+                done = self._ops.popleft()
+                if kind == "metrics" and len(payload) < len(done[1]):
+                    self._ops.appendleft(("metrics", done[1][len(payload):]))
+                self._held_before -= 1
+                if self._held_before == 0:
+                    (self._output_dir / PENDING_FILE).unlink(missing_ok=True)  # an earlier start's, all sent
+            if done is self._this_job:
+                self._run_id = self._sender.run_id
+                self._connected.set()
+                system_metrics = SystemMetricsMonitor(self._run_id, node_id=node)
+                system_metrics.start()
+                log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, start["experiment"],
+                         run_page(mlflow.get_tracking_uri(), self._sender.experiment_id, self._run_id))
+            if kind == "end" and not self._ops:
+                if system_metrics:
+                    system_metrics.finish()
+                return
 
-    def _count_not_logged(self, kind, payloads):
-        if kind == "metrics":
-            self._not_logged["metric values"] += sum(len(values) for values, _, _ in payloads)
-        elif kind == "artifact":
-            self._not_logged["artifacts"] += len(payloads)
-        elif kind == "model":
-            self._not_logged["model"] += 1
 
-    def _attempt(self, action, what, kind, count=1):
+def count(kind, payload):
+    return sum(len(values) for values, _, _ in payload) if kind == "metrics" else 1
+
+
+def summarize(operations):
+    """What a list of operations holds, for a user: "12 metric values, 3 artifacts, the model and the run's end"."""
+    counts = collections.Counter()
+    for kind, payload in operations:
+        counts[kind] += count(kind, payload)
+    parts = [f"{counts[k]} {name}" for k, name in (("metrics", "metric values"), ("artifact", "artifacts"))
+             if counts[k]]
+    parts += [name for k, name in (("start", "the run's start"), ("model", "the model"), ("end", "the run's end"))
+              if counts[k]]
+    return " and ".join(filter(None, [", ".join(parts[:-1]), parts[-1]])) if parts else "nothing"
+
+
+def send_pending(output_dir, timeout):
+    """`python -m fmnist.tracking OUTPUT_DIR`: send what a job left in PENDING_FILE, retrying for `timeout`
+    seconds. Returns the exit status: 0 when all was sent (the file is gone), 1 when the server stayed away
+    (the file keeps what is left)."""
+    apply_mlflow_defaults()
+    operations = read_pending(output_dir)
+    if not operations:
+        print(f"{output_dir}: nothing waits for MLflow")
+        return 0
+    sender, sent, deadline = Sender(), 0, time.monotonic() + timeout
+    while sent < len(operations):
+        kind, payload = operations[sent]
         try:
-            action()
+            sender.send(kind, payload)
         except Exception as exc:  # pylint: disable=broad-except
-            self._not_logged[kind] += count
-            self._fail(exc, what)
+            if transient(exc) and time.monotonic() < deadline:
+                time.sleep(RETRY_DELAYS_S[0])
+                continue
+            if transient(exc):
+                write_pending(output_dir, [("run", sender.run_id)] * bool(sender.run_id) + operations[sent:])
+                print(f"MLflow at {sender.mlflow.get_tracking_uri()} did not answer ({describe(exc)}); "
+                      f"{summarize(operations[sent:])} still wait in {Path(output_dir) / PENDING_FILE}",
+                      file=sys.stderr)
+                return 1
+            print(f"MLflow refused {kind}: {describe(exc)}", file=sys.stderr)
+        sent += 1
+    write_pending(output_dir, [])
+    print(f"MLflow: sent {summarize(operations)} to run {sender.run_id} at {sender.mlflow.get_tracking_uri()}")
+    return 0
 
-    def _fail(self, exc, what):
-        if self._error is None:
-            self._error = f"{what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            log.warning("MLflow: tracking is off for the rest of the job after a failure %s; training goes on",
-                        self._error)
 
 def start_tracking(cfg, resolved, resume_run_id, datasets, node):
     """The job's MLflow run: every setting and what the job resolved them to (device, world size, amp level,
@@ -255,8 +424,8 @@ def start_tracking(cfg, resolved, resume_run_id, datasets, node):
     tags = {"device": resolved["device"], "world_size": str(resolved["world_size"]), "job_version": common.JOB_VERSION}
     if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
         tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
-    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, resume_run_id=resume_run_id, datasets=datasets,
-                         node=node)
+    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, cfg.output_dir, resume_run_id=resume_run_id,
+                         datasets=datasets, node=node, finish_timeout=cfg.tracking_wait)
 
 
 def dataset_inputs(splits, checksums, sources):
@@ -291,3 +460,22 @@ def watch_node(collective, tracker, world_size, local_workers):
     return monitor
 
 
+
+
+def main(argv=None):
+    """Send what a job's output directory holds for MLflow (the job does it at its next start anyway)."""
+    import argparse  # pylint: disable=import-outside-toplevel
+    parser = argparse.ArgumentParser(prog="python -m fmnist.tracking", description=main.__doc__)
+    parser.add_argument("output_dir", type=Path, help="the job's --output-dir")
+    parser.add_argument("--timeout", type=float, default=MLFLOW_FINISH_TIMEOUT_S,
+                        help="seconds to keep retrying an unreachable server (default %(default)s)")
+    args = parser.parse_args(argv)
+    common.configure_logging(0)
+    holder = common.output_dir_holder(args.output_dir)
+    if holder:  # that job sends it itself
+        parser.exit(common.EXIT_USAGE, f"python -m fmnist.tracking: {common.in_use(args.output_dir, holder)}\n")
+    return send_pending(args.output_dir, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
