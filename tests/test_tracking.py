@@ -3,7 +3,6 @@
 import getpass
 import hashlib
 import json
-import logging
 import re
 import subprocess
 import sys
@@ -335,7 +334,7 @@ def test_a_server_that_never_returns_costs_a_bounded_wait_and_a_later_command_se
         assert_complete(url, out, epochs=2, steps_per_epoch=256, interval=32)
 
 
-def test_a_run_that_could_not_start_is_created_by_the_next_start(tmp_path, caplog):
+def test_a_run_that_could_not_start_is_created_by_the_next_start(tmp_path):
     """The tracker on its own: no server at all, then a server; the next start sends the first run whole
     (created then, with its parameters) before its own."""
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
