@@ -128,12 +128,20 @@ request_stop() {
   done
 }
 
+process_state() {
+  # A process's state letter from the kernel (R, S, T, Z, ...), or nothing once it is gone; never fails.
+  local stat
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 0
+  stat=${stat##*) }
+  echo "${stat%% *}"
+}
+
 stopped_worker() {
   # A worker stopped by SIGSTOP (or held by a debugger) freezes every rank at its next collective, and msrun
   # would only notice when its heartbeat times out: print the first such worker's pid.
   local pid state
   for pid in $(workers_of "$1"); do
-    state=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
+    state=$(process_state "$pid")
     if [[ "$state" == [Tt] ]]; then
       echo "$pid"
       return
@@ -167,16 +175,17 @@ without_launcher_traceback() {
 end_msrun() {
   # msrun's workers and scheduler are its children, each in a session of its own. SIGKILL takes a moment to
   # free a worker's memory: run.sh ends only when they are gone (or zombies), so nothing outlives it.
-  local pids pid state
+  local pids pid state living
   pids=$(children_of "$1")
   # shellcheck disable=SC2086  # one pid per word
   kill -KILL $pids "$1" 2>/dev/null || true
   for _ in $(seq 100); do
-    state=""
+    living=0
     for pid in $pids; do
-      state+=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1 | tr -d Z)
+      state=$(process_state "$pid")
+      if [[ -n "$state" && "$state" != Z ]]; then living=1; fi
     done
-    [[ -z "$state" ]] && return
+    ((living)) || return 0
     sleep 0.1
   done
 }
