@@ -10,7 +10,9 @@ time, peak memory per worker, CPU-seconds per 1,000 training samples (the whole 
 process), test accuracy, and the cost of MLflow logging (tracked minus untracked wall time), with the CPU
 model, its ISA flags and the oneDNN ISA cap, so figures from different hosts compare. --compare-workers adds
 runs with other worker counts for the same total work (same global batch); --scaling adds one worker at the
-same per-worker batch and prints how many times its throughput the workers reach.
+same per-worker batch and prints how many times its throughput the workers reach. Then the tracked run's
+model is served by the real `mlflow models serve` and loaded by 1 and 16 clients with batches of 1 and 64
+images (bench/serving.py): requests/s and p50/p99 latency; --serving-requests 0 skips it.
 """
 
 import argparse
@@ -27,8 +29,10 @@ import psutil  # installed with mlflow
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from fmnist import common  # noqa: E402 (the job's package and the tests' servers, from this checkout)
+from fmnist import common, fetch  # noqa: E402 (the job's package and the tests' servers, from this checkout)
 from servers import mlflow_server  # noqa: E402
+
+import serving  # noqa: E402 (beside this file)
 
 
 def parse_args(argv=None):
@@ -45,6 +49,9 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-isa", default=os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
                         help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or ALL "
                              "for none; default: the job's own (AVX2 on x86-64)")
+    parser.add_argument("--serving-requests", type=int, default=300,
+                        help="requests per serving cell (batch 1 and 64, 1 and 16 clients); 0 skips serving "
+                             "(default: 300)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bench.json",
                         help="where to write the results (default: bench/results/bench.json)")
     args = parser.parse_args(argv)
@@ -52,6 +59,12 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+def test_images(data_dir):
+    """The real test images, [N, 28, 28] uint8, through the job's own IDX reader."""
+    kind = "images-idx3-ubyte"
+    return fetch.parse_idx(fetch.local_copy(data_dir, f"t10k-{kind}").read_bytes(), kind)
 
 
 def cpu_seconds(pid):
@@ -125,6 +138,11 @@ def main(argv=None):
                               {"MLFLOW_TRACKING_URI": url, "TRACKING": "on"})
             # The server shares this machine's cores with the job; a real deployment runs it elsewhere.
             tracked["server_cpu_s"] = cpu_seconds(server.pid) - server_cpu
+            served = []
+            if args.serving_requests:
+                print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell", flush=True)
+                served = serving.measure(f"runs:/{tracked['mlflow_run_id']}/model", workdir, url,
+                                         test_images(args.data_dir), args.serving_requests)
         runs = [untracked, tracked]
         global_batch = args.workers * args.batch_size
         for workers in args.compare_workers:
@@ -142,7 +160,10 @@ def main(argv=None):
     print(f"\nMLflow logging overhead: {overhead:+.1%} of wall time "
           f"({tracked['launch_wall_s']:.1f} s tracked vs {untracked['launch_wall_s']:.1f} s untracked); "
           f"the tracking server used {tracked['server_cpu_s']:.1f} CPU-s of this machine meanwhile")
-    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs}
+    if served:
+        print(f"\nthe served model (mlflow models serve, {args.serving_requests} requests per row):")
+        print(serving.table(served))
+    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served}
     if args.scaling:
         results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "
