@@ -28,7 +28,8 @@ def serve(model_uri, workdir, tracking_uri):
         server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri,
                                    "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
                                   cwd=workdir, stdout=log_file, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
+                                  env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri,  # it runs uvicorn from PATH
+                                       "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     wait_until_up(f"http://127.0.0.1:{port}/ping", server, log_path)
     return server, f"http://127.0.0.1:{port}/invocations"
 
