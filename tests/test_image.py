@@ -160,8 +160,8 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     finally:
         podman("rm", "--force", name, check=False)
     print(f"podman stop took {stopped_after:.1f} s")
+    # 143, not 137: the job ended on its own within the grace period, before podman's SIGKILL.
     assert status == 128 + signal.SIGTERM, logs[-3000:]
-    assert stopped_after < GRACE_SECONDS  # within the grace period, so not SIGKILLed by podman
     assert "run the same command again to resume" in logs
     assert (workspace / "outputs" / "checkpoints" / "epoch-0001.ckpt").exists()
     rerun = podman(*run, "--rm", image, check=False)
