@@ -301,7 +301,8 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
     args = tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
-        wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+(.|\n)*epoch 1/3 \| step 64/", job)
+        # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
+        wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
     time.sleep(15)  # down: MLflow's retries (2, backoff 1 s) give up after seconds
     with mlflow_server(tmp_path, port=port) as (url, _):
         console, _ = job.communicate(timeout=300)
@@ -317,7 +318,8 @@ def test_a_server_that_never_returns_costs_a_bounded_wait_and_a_later_command_se
     args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "32", "--tracking-wait", "5")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
-        wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+(.|\n)*epoch 1/2 \| step 64/", job)
+        # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
+        wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
     stopped = time.monotonic()
     console, _ = job.communicate(timeout=300)
     print(f"the job ended {time.monotonic() - stopped:.1f} s after the server stopped")
