@@ -335,12 +335,12 @@ class MlflowTracker(NullTracker):
             try:
                 self._sender.send(kind, payload)
             except Exception as exc:  # pylint: disable=broad-except
+                self._connected.set()  # nobody waits for a run that is not there
                 if not transient(exc):
                     self._not_logged[kind if kind != "metrics" else "metric values"] += count(kind, payload)
                     log.warning("MLflow: %s not logged: %s", kind, describe(exc))
                 else:
                     failures += 1
-                    self._connected.set()  # nobody waits for a run while the server is away
                     if failures == 1:
                         log.warning("MLflow: cannot reach %s (%s); the job's tracking waits and is retried; "
                                     "training goes on", mlflow.get_tracking_uri(), describe(exc))
@@ -351,11 +351,12 @@ class MlflowTracker(NullTracker):
                 failures = 0
             with self._changed:
                 done = self._ops.popleft()
-                if kind == "metrics" and len(payload) < len(done[1]):
+                if kind == "metrics" and len(payload) < len(done[1]):  # the rest of a large batch: next
                     self._ops.appendleft(("metrics", done[1][len(payload):]))
-                self._held_before -= 1
-                if self._held_before == 0:
-                    (self._output_dir / PENDING_FILE).unlink(missing_ok=True)  # an earlier start's, all sent
+                else:
+                    self._held_before -= 1
+                    if self._held_before == 0:
+                        (self._output_dir / PENDING_FILE).unlink(missing_ok=True)  # an earlier start's, all sent
             if done is self._this_job:
                 self._run_id = self._sender.run_id
                 self._connected.set()
