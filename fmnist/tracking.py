@@ -28,7 +28,7 @@ MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 MLFLOW_FINISH_TIMEOUT_S = 60
 PENDING_FILE = "mlflow-pending.jsonl"  # in the output directory: what the server did not take before the end
-BUFFER_LIMIT = 100_000  # operations waiting for the server before the job says so
+BUFFER_LIMIT = 100_000  # metric values and operations held in memory while the server is away; older ones: on disk
 RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)  # between attempts while the server is away; then every 30 s
 MLFLOW_STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
 SERVING_EXAMPLE_IMAGES = 4  # test images stored with the MLflow model as its input example
@@ -156,7 +156,8 @@ class Sender:
         elif kind == "end":
             self.client.set_terminated(self.run_id, payload)
 
-    def _start(self, experiment, run_name, params, tags, resume_run_id, datasets):
+    def _start(self, experiment, run_name, params, tags, resume_run_id, datasets, attempt=None):
+        del attempt  # the tracker's own mark of which start of the job this is
         from mlflow.entities import Dataset, DatasetInput, InputTag, Param  # pylint: disable=import-outside-toplevel
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT  # pylint: disable=import-outside-toplevel
         if resume_run_id and not run_exists(self.client, resume_run_id):
@@ -226,18 +227,75 @@ def write_pending(output_dir, operations):
         path.unlink(missing_ok=True)
 
 
+class Backlog:
+    """The operations not sent yet, oldest first: at most `limit` metric values and other operations in
+    memory; past that the memory's content goes, in order, to the end of PENDING_FILE, which is read before the
+    memory. What an earlier start of the job left there is read first. Not thread-safe: the tracker's lock
+    guards it."""
+
+    def __init__(self, output_dir, limit):
+        self.path, self.limit = Path(output_dir) / PENDING_FILE, limit
+        self.memory, self.in_memory = collections.deque(), 0
+        self.on_disk = len(read_pending(output_dir))  # operations in the file not read yet
+        self.reader = None
+        self.current, self.from_disk = None, False  # the oldest operation, being sent, and where it came from
+
+    def put(self, kind, payload):
+        if kind == "metrics" and self.memory and self.memory[-1][0] == "metrics":
+            self.memory[-1] = ("metrics", self.memory[-1][1] + payload)  # waiting anyway: one batch
+        else:
+            self.memory.append((kind, payload))
+        self.in_memory += count(kind, payload)
+        if self.in_memory >= self.limit:  # rare: a long outage; one write, on the caller's thread
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.writelines(as_json(*op) + "\n" for op in self.memory)
+            self.on_disk += len(self.memory)
+            self.memory.clear()
+            self.in_memory = 0
+            log.warning("MLflow: %d metric values and operations wait for the server; the older ones now wait in "
+                        "%s", self.limit, self.path)
+
+    def oldest(self):
+        """The oldest operation (the one being sent until done() says otherwise), or None."""
+        if self.current is None:
+            if self.on_disk:  # the file stays open at its place: a spill appends behind it
+                self.reader = self.reader or open(self.path, encoding="utf-8")  # noqa: SIM115
+                self.current, self.on_disk, self.from_disk = from_json(self.reader.readline()), self.on_disk - 1, True
+            elif self.memory:
+                self.current, self.from_disk = self.memory.popleft(), False
+                self.in_memory -= count(*self.current)
+        return self.current
+
+    def done(self, sent):
+        """The oldest operation went out, or its first `sent` metric points did."""
+        kind, payload = self.current
+        self.current = ("metrics", payload[len(sent):]) if kind == "metrics" and len(sent) < len(payload) else None
+        if self.current is None and self.from_disk and not self.on_disk:  # the file's last operation
+            self.reader.close()
+            self.reader = None
+            self.path.unlink(missing_ok=True)
+
+    def unsent(self):
+        pending = [self.current] if self.current else []
+        if self.on_disk:
+            self.reader = self.reader or open(self.path, encoding="utf-8")  # noqa: SIM115
+            pending += [from_json(line) for line in self.reader if line.strip()]
+        if self.reader:
+            self.reader.close()
+        return pending + list(self.memory)
+
+
 class MlflowTracker(NullTracker):
     """The job's one MLflow run, driven from rank 0 by a background thread.
 
     Training never waits for tracking: every request happens on the thread, in the order the job made them, and
     metrics queued between two requests go out as one batch. When the server cannot be reached (down at start,
-    restarted, a network blip), the operations wait in a buffer and the thread retries with backoff; when the
-    server answers again they go out in order, and nothing is lost. The buffer holds BUFFER_LIMIT operations
-    (at one per log interval, days of training); beyond it the oldest wait in memory and the count is logged.
-    finish() waits a bounded time; then what was not sent goes to PENDING_FILE in the output directory, with
-    one line saying so, and the next start there (or `python -m fmnist.tracking OUTPUT_DIR`) sends it, the
-    run's final status last. The run is never left RUNNING by a job that ended, except for the time that
-    takes. A request the server refuses (4xx) is not retried: it is counted as not logged.
+    restarted, a network blip), the operations wait in a Backlog and the thread retries with backoff; when the
+    server answers again they go out in order, and nothing is lost. The backlog keeps BUFFER_LIMIT metric
+    values and operations in memory, and the older ones beyond that in PENDING_FILE. finish() waits a bounded
+    time; then what was not sent goes to PENDING_FILE in the output directory, with one line saying so, and the
+    next start there (or `python -m fmnist.tracking OUTPUT_DIR`) sends it first, the run's final status last.
+    A request the server refuses (4xx) is not retried: it is counted as not logged.
 
     The run carries MLflow's own system tags (its context providers: user, source, git commit, resolved in the
     job's process), the datasets, this node's system metrics and, at the end, the model as an MLflow model.
@@ -247,22 +305,23 @@ class MlflowTracker(NullTracker):
     """
 
     def __init__(self, experiment, run_name, params, tags, output_dir, resume_run_id=None, datasets=(),
-                 node="node0", finish_timeout=MLFLOW_FINISH_TIMEOUT_S):
+                 node="node0", finish_timeout=MLFLOW_FINISH_TIMEOUT_S, buffer_limit=BUFFER_LIMIT):
         apply_mlflow_defaults()
         self._finish_timeout = finish_timeout
         self._output_dir = Path(output_dir)
-        self._ops = collections.deque(read_pending(output_dir))  # an earlier start's, sent first
-        self._held_before = len(self._ops)
-        self._changed = threading.Condition()
+        self._changed = threading.Condition()  # guards the backlog
+        self._backlog = Backlog(output_dir, buffer_limit)
         self._stopped = threading.Event()
         self._not_logged = collections.Counter()
         self._connected = threading.Event()  # set once this job's run exists or starting it failed once
         self._run_id = None
         self._sender = None
+        # This job's start: after what an earlier start left, before anything of this job's. Made sendable (its
+        # tags and datasets resolved) on the thread; `attempt` tells it apart from an earlier start's.
+        self._attempt = os.urandom(8).hex()
         start = {"experiment": experiment, "run_name": run_name, "params": params, "tags": tags,
-                 "resume_run_id": resume_run_id, "datasets": datasets}
-        self._this_job = ("start", start)  # first, before any operation of this job's; made sendable on the thread
-        self._ops.append(self._this_job)
+                 "resume_run_id": resume_run_id, "datasets": datasets, "attempt": self._attempt}
+        self._backlog.put("start", start)
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True, args=(start, node))
         self._thread.start()
 
@@ -292,10 +351,10 @@ class MlflowTracker(NullTracker):
         if self._thread.is_alive():  # the server is away: what it did not take waits in the output directory
             self._stopped.set()
             with self._changed:
-                held = list(self._ops)
+                held = self._backlog.unsent()
+                run = [("run", self._sender.run_id)] if self._sender and self._sender.run_id else []
+                write_pending(self._output_dir, run + held)
                 self._changed.notify()
-            run = [("run", self._sender.run_id)] if self._sender and self._sender.run_id else []
-            write_pending(self._output_dir, run + held)
             log.warning("MLflow: the server did not answer within %.0f s; %s wait in %s: the next start with this "
                         "output directory sends them, or `python -m fmnist.tracking %s`", timeout,
                         summarize(held), self._output_dir / PENDING_FILE, self._output_dir)
@@ -305,12 +364,7 @@ class MlflowTracker(NullTracker):
 
     def _put(self, kind, payload):
         with self._changed:
-            if kind == "metrics" and self._ops and self._ops[-1][0] == "metrics" and len(self._ops) > 1:
-                self._ops[-1] = ("metrics", self._ops[-1][1] + payload)  # waiting anyway: one batch
-            else:
-                self._ops.append((kind, payload))
-            if len(self._ops) == BUFFER_LIMIT:
-                log.warning("MLflow: %d operations wait for the server; more are kept in memory", BUFFER_LIMIT)
+            self._backlog.put(kind, payload)
             self._changed.notify()
 
     def _work(self, start, node):
@@ -323,48 +377,42 @@ class MlflowTracker(NullTracker):
         system_metrics = None
         self._sender = Sender()
         failures = 0
-        while not self._stopped.is_set():
+        while True:
             with self._changed:
-                while not self._ops and not self._stopped.is_set():
+                while not self._stopped.is_set() and self._backlog.oldest() is None:
                     self._changed.wait()
                 if self._stopped.is_set():
                     return
-                kind, payload = self._ops[0]
-            if kind == "metrics" and len(payload) > 1:  # MLflow takes 1000 values a request
+                kind, payload = self._backlog.oldest()
+            if kind == "metrics":  # MLflow takes 1000 values a request
                 payload = payload[:max(1, 1000 // max(1, len(payload[0][0])))]
             try:
                 self._sender.send(kind, payload)
             except Exception as exc:  # pylint: disable=broad-except
                 self._connected.set()  # nobody waits for a run that is not there
-                if not transient(exc):
-                    self._not_logged[kind if kind != "metrics" else "metric values"] += count(kind, payload)
-                    log.warning("MLflow: %s not logged: %s", kind, describe(exc))
-                else:
+                if transient(exc):
                     failures += 1
                     if failures == 1:
                         log.warning("MLflow: cannot reach %s (%s); the job's tracking waits and is retried; "
                                     "training goes on", mlflow.get_tracking_uri(), describe(exc))
                     self._stopped.wait(RETRY_DELAYS_S[min(failures, len(RETRY_DELAYS_S)) - 1])
                     continue
+                self._not_logged[kind if kind != "metrics" else "metric values"] += count(kind, payload)
+                log.warning("MLflow: %s not logged: %s", kind, describe(exc))
             if failures:
                 log.info("MLflow: %s answers again; sending what waited", mlflow.get_tracking_uri())
                 failures = 0
             with self._changed:
-                done = self._ops.popleft()
-                if kind == "metrics" and len(payload) < len(done[1]):  # the rest of a large batch: next
-                    self._ops.appendleft(("metrics", done[1][len(payload):]))
-                else:
-                    self._held_before -= 1
-                    if self._held_before == 0:
-                        (self._output_dir / PENDING_FILE).unlink(missing_ok=True)  # an earlier start's, all sent
-            if done is self._this_job:
+                self._backlog.done(payload)
+                finished = kind == "end" and self._backlog.oldest() is None
+            if kind == "start" and payload.get("attempt") == self._attempt:
                 self._run_id = self._sender.run_id
                 self._connected.set()
                 system_metrics = SystemMetricsMonitor(self._run_id, node_id=node)
                 system_metrics.start()
                 log.info("MLflow: run %s in experiment '%s' at %s", self._run_id, start["experiment"],
                          run_page(mlflow.get_tracking_uri(), self._sender.experiment_id, self._run_id))
-            if kind == "end" and not self._ops:
+            if finished:
                 if system_metrics:
                     system_metrics.finish()
                 return

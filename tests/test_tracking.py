@@ -360,3 +360,28 @@ def test_a_run_that_could_not_start_is_created_by_the_next_start(tmp_path):
             assert runs["first"].data.tags["mlflow.user"] == getpass.getuser()  # resolved where the job ran
             assert [m.value for m in client.get_metric_history(runs["first"].info.run_id, "train_loss")] == [1.0]
             assert not (tmp_path / tracking.PENDING_FILE).exists()
+
+
+def test_a_long_outage_keeps_memory_bounded_and_sends_everything_in_order(tmp_path, caplog):
+    """The tracker on its own, its memory bound at 4: 20 points logged while no server answers go, past the
+    bound, to the pending file; when a server comes, every point goes out once, in order."""
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    port = free_port()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        tracker = tracking.MlflowTracker("bounded", "long-outage", {"lr": 0.1}, {}, tmp_path, finish_timeout=120,
+                                         buffer_limit=4)
+        for step in range(1, 21):
+            tracker.log_metrics({"train_loss": 1.0 / step}, step=step)
+        pending = (tmp_path / tracking.PENDING_FILE).read_text().splitlines()
+        assert len(pending) >= 4  # the older operations wait on disk, not in memory
+        with mlflow_server(tmp_path, port=port) as (url, _):
+            tracker.finish("FINISHED")
+            client = MlflowClient(url)
+            run = client.search_runs([client.get_experiment_by_name("bounded").experiment_id])[0]
+            history = client.get_metric_history(run.info.run_id, "train_loss")
+            assert [m.step for m in history] == list(range(1, 21))
+            assert [m.value for m in history] == [1.0 / step for step in range(1, 21)]
+            assert run.info.status == "FINISHED"
+    assert not (tmp_path / tracking.PENDING_FILE).exists()
+    assert any("now wait in" in r.getMessage() for r in caplog.records)
