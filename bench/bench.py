@@ -122,6 +122,11 @@ def table(runs):
                      f"{run['train_samples_per_s']:,.0f}", per_epoch,
                      f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}", f"{run['cpu_s_per_1000_samples']:.3f}",
                      f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
+    return aligned(rows)
+
+
+def aligned(rows):
+    """Rows of strings as text columns."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
 
@@ -162,7 +167,7 @@ def main(argv=None):
           f"the tracking server used {tracked['server_cpu_s']:.1f} CPU-s of this machine meanwhile")
     if served:
         print(f"\nthe served model (mlflow models serve, {args.serving_requests} requests per row):")
-        print(serving.table(served))
+        print(aligned(serving.rows(served)))
     results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served}
     if args.scaling:
         results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]

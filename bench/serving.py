@@ -8,30 +8,15 @@ some of its cores: the figures are a floor for a server with the machine to itse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from servers import free_port, wait_until_up
+from servers import models_serve
 
 CELLS = [(batch, clients) for batch in (1, 64) for clients in (1, 16)]
-
-
-def serve(model_uri, workdir, tracking_uri):
-    """Start `mlflow models serve` for `model_uri`; returns (process, invocations URL)."""
-    port = free_port()
-    log_path = Path(workdir) / "serve.log"
-    with open(log_path, "wb") as log_file:
-        server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri,
-                                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                                  cwd=workdir, stdout=log_file, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri,  # it runs uvicorn from PATH
-                                       "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
-    wait_until_up(f"http://127.0.0.1:{port}/ping", server, log_path)
-    return server, f"http://127.0.0.1:{port}/invocations"
 
 
 def timed_request(url, body):
@@ -60,17 +45,14 @@ def load(url, images, batch, clients, requests):
 
 
 def measure(model_uri, workdir, tracking_uri, images, requests):
-    server, url = serve(model_uri, workdir, tracking_uri)
-    try:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri,  # mlflow models serve runs uvicorn from PATH
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    with models_serve(model_uri, workdir, env) as (url, _):
         return [load(url, images, batch, clients, requests) for batch, clients in CELLS]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
-def table(cells):
-    rows = [("images/request", "clients", "requests/s", "images/s", "p50 ms", "p99 ms")]
-    rows += [(str(c["batch"]), str(c["clients"]), f"{c['requests_per_s']:,.0f}", f"{c['images_per_s']:,.0f}",
-              f"{c['p50_ms']:.1f}", f"{c['p99_ms']:.1f}") for c in cells]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+def rows(cells):
+    """The table's rows, header first."""
+    return [("images/request", "clients", "requests/s", "images/s", "p50 ms", "p99 ms")] + [
+        (str(c["batch"]), str(c["clients"]), f"{c['requests_per_s']:,.0f}", f"{c['images_per_s']:,.0f}",
+         f"{c['p50_ms']:.1f}", f"{c['p99_ms']:.1f}") for c in cells]

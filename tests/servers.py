@@ -1,5 +1,5 @@
-"""Real servers on loopback for the tests and the benchmark: a free port, a readiness poll, and an
-`mlflow server` with its own SQLite store. Standard library only, so the benchmark can use it without pytest."""
+"""Real servers on loopback for the tests and the benchmark: a free port, a readiness poll, an `mlflow server`
+with its own SQLite store, and `mlflow models serve` of a logged model. Standard library only, so the benchmark can use it without pytest."""
 
 import contextlib
 import os
@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROBE = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)"
 
@@ -52,3 +53,21 @@ def mlflow_server(directory, host="127.0.0.1", port=None, prefix=()):
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
+
+
+@contextlib.contextmanager
+def models_serve(model_uri, directory, env):
+    """The real `mlflow models serve` of `model_uri` on 127.0.0.1, run in `directory` with `env` (MLflow starts
+    uvicorn from its PATH); yields (its /invocations URL, the process) and stops it afterwards."""
+    port = free_port()
+    log_path = Path(directory) / "serve.log"
+    with open(log_path, "wb") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri,
+                                   "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                                  cwd=directory, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            wait_until_up(f"http://127.0.0.1:{port}/ping", server, log_path)
+            yield f"http://127.0.0.1:{port}/invocations", server
+        finally:
+            server.terminate()
+            server.wait(timeout=30)

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from fmnist import fetch
-from conftest import ROOT, free_port, job_env, read_summary, tiny_args, wait_until_up
+from conftest import ROOT, free_port, job_env, models_serve, read_summary, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,20 +93,9 @@ def test_an_mlp_trains_resumes_is_tracked_predicts_and_serves(own_network, tiny_
     expected = subprocess.run([sys.executable, "-c", PREDICT, str(out / "model.ckpt")], cwd=own_network,
                               input=json.dumps(images.tolist()), env=job_env(), capture_output=True, text=True,
                               timeout=120, check=True)
-    port = free_port()
-    with open(tmp_path / "serve.log", "wb") as log_file:
-        server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m",
-                                   f"runs:/{run.info.run_id}/model", "--env-manager", "local", "-h", "127.0.0.1",
-                                   "-p", str(port)], cwd=tmp_path, env=job_env(MLFLOW_TRACKING_URI=store),
-                                  stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            wait_until_up(f"http://127.0.0.1:{port}/ping", server, tmp_path / "serve.log")
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations",
-                                             data=json.dumps({"inputs": images.tolist()}).encode(),
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as response:
-                served = [p["class_index"] for p in json.loads(response.read())["predictions"]]
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+    with models_serve(f"runs:/{run.info.run_id}/model", tmp_path, job_env(MLFLOW_TRACKING_URI=store)) as (url, _):
+        request = urllib.request.Request(url, data=json.dumps({"inputs": images.tolist()}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            served = [p["class_index"] for p in json.loads(response.read())["predictions"]]
     assert served == json.loads(expected.stdout.strip().splitlines()[-1])

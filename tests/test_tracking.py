@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from fmnist import common, data, fetch, model, tracking
-from conftest import (ROOT, free_port, job_env, mlflow_server, read_summary, run_main, run_msrun, tiny_args,
-                      wait_until_up)
+from conftest import (ROOT, free_port, job_env, mlflow_server, models_serve, read_summary, run_main, run_msrun,
+                      tiny_args)
 
 pytestmark = pytest.mark.timeout(600)
 EPOCHS = 2
@@ -131,31 +131,20 @@ def served(tracked_run, tracked_job, tiny_data):
     import gzip  # pylint: disable=import-outside-toplevel
     _, run, _ = tracked_run
     url, directory, _ = tracked_job
-    port = free_port()
-    log_file = open(directory / "serve.log", "wb")  # pylint: disable=consider-using-with
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"runs:/{run.info.run_id}/model",
-                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                              cwd=directory, env=job_env(MLFLOW_TRACKING_URI=url), stdout=log_file,
-                              stderr=subprocess.STDOUT)
+    images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))
+    with models_serve(f"runs:/{run.info.run_id}/model", directory, job_env(MLFLOW_TRACKING_URI=url)) as (invocations,
+                                                                                                   server):
+        def invoke(body):
+            request = urllib.request.Request(invocations, headers={"Content-Type": "application/json"},
+                                             data=body if isinstance(body, bytes) else json.dumps(body).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read())
 
-    def invoke(body):
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", headers={"Content-Type": "application/json"},
-                                         data=body if isinstance(body, bytes) else json.dumps(body).encode())
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
-
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}/ping", server, directory / "serve.log")
-        images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))
         yield invoke, images
         assert server.poll() is None, (directory / "serve.log").read_text()[-3000:]  # alive after every test
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log_file.close()
 
 
 def test_mlflow_models_serve_answers_as_the_job_predicts(served, tracked_job):
