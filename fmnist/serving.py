@@ -95,10 +95,10 @@ def pixels(batch):
         raise ValueError("the batch is empty: send at least one image")
     if not np.isfinite(values).all():
         raise ValueError("pixel values must be finite numbers from 0 to 255")
-    if (values != np.round(values)).any():
+    fractional = values[values != np.round(values)]
+    if fractional.size:
         raise ValueError(f"pixel values must be whole numbers from 0 to 255, as in the IDX files; got "
-                         f"{values[values != np.round(values)].flat[0]:g} (normalized values are not accepted: "
-                         "send the raw pixels)")
+                         f"{fractional.flat[0]:g} (normalized values are not accepted: send the raw pixels)")
     if values.min() < 0 or values.max() > 255:
         bad = values[(values < 0) | (values > 255)].flat[0]
         raise ValueError(f"pixel values must be from 0 to 255; got {bad:g}")

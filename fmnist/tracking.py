@@ -236,7 +236,10 @@ class Backlog:
     def __init__(self, output_dir, limit):
         self.path, self.limit = Path(output_dir) / PENDING_FILE, limit
         self.memory, self.in_memory = collections.deque(), 0
-        self.on_disk = len(read_pending(output_dir))  # operations in the file not read yet
+        self.on_disk = 0  # operations in the file not read yet: what an earlier start left
+        if self.path.exists():
+            with open(self.path, encoding="utf-8") as pending:
+                self.on_disk = sum(1 for line in pending if line.strip())
         self.reader = None
         self.current, self.from_disk = None, False  # the oldest operation, being sent, and where it came from
 
@@ -371,9 +374,10 @@ class MlflowTracker(NullTracker):
         from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
             SystemMetricsMonitor)
         import mlflow  # pylint: disable=import-outside-toplevel
-        with self._changed:  # finish() may write it out meanwhile
-            start["tags"] = mlflow.tracking.context.registry.resolve_tags(start["tags"])  # as where the job runs
-            start["datasets"] = dataset_entities(start["datasets"])
+        tags = mlflow.tracking.context.registry.resolve_tags(start["tags"])  # as where the job runs
+        datasets = dataset_entities(start["datasets"])
+        with self._changed:  # finish() may write it out meanwhile; computed outside, so log_metrics never waits
+            start["tags"], start["datasets"] = tags, datasets
         system_metrics = None
         self._sender = Sender()
         failures = 0
