@@ -35,7 +35,7 @@ from mindspore import Tensor, nn
 from mindspore.train import Model
 
 from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, plots,
-                    serving, settings, tracking)
+                    restarts, serving, settings, tracking)
 from fmnist.common import log
 
 
@@ -62,13 +62,14 @@ class Job:
 
 
 def main(argv=None) -> int:
-    started = time.perf_counter()
+    started, laps = time.perf_counter(), restarts.Laps()  # laps: the phases a restart costs, timed as they end
     try:
         job = read_settings(argv)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
     join_job(job)
+    laps("join")
     cfg, collective = job.cfg, job.collective
     try:
         # Held until this process ends, however it ends: the kernel drops the lock with the last descriptor.
@@ -79,7 +80,11 @@ def main(argv=None) -> int:
         if cfg.predict:
             return serving.predict(cfg.predict, test_ds, test_metrics, collective.is_main)
         net, trainer = build_model(job, test_metrics)
-        resumed, current, start_epoch = resume(job, trainer)
+        laps("setup")
+        resumed, current, start = resume(job, trainer)
+        laps("checkpoint")
+        compile_step(trainer, shards)
+        laps("compile")
     except common.UsageError as exc:
         log.error("%s", exc)
         return common.EXIT_USAGE
@@ -87,22 +92,26 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return common.EXIT_DISK_FULL
     tracker, node_monitor = start_tracking(job, resumed, splits, sources)
-    progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, cfg.batch_size * collective.world_size,
-                                       cfg.log_interval, started, resumed, len(data.CLASS_NAMES),
-                                       cfg.divergence_check == "on")
-    callbacks = [progress]
+    progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, shards.steps_per_epoch,
+                                       cfg.batch_size * collective.world_size, cfg.log_interval, started, resumed,
+                                       len(data.CLASS_NAMES), cfg.divergence_check == "on")
+    saver = record = None
     if collective.is_main:  # one writer of checkpoints
-        callbacks.append(checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints, progress,
-                                                     tracker, current))
+        directory = cfg.output_dir / "checkpoints"
+        saver = checkpoints.CheckpointSaver(directory, cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker,
+                                            current, restarts=resumed["restarts"] + 1 if resumed else 0)
+        record = restarts.StepRecord(directory, progress, tracker, laps, resumed and resumed["previous_step"],
+                                     resumed)
     fit_start = time.perf_counter()
     try:
         with progress.stop:  # SIGTERM becomes a request the ranks agree on
-            trainer.fit(cfg.epochs, data.train_dataset(shards, start_epoch), test_ds, valid_frequency=1,
-                        callbacks=callbacks, dataset_sink_mode=False, initial_epoch=min(start_epoch, cfg.epochs))
-        return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor,
-                      {"started": started, "fit_s": time.perf_counter() - fit_start, "resumed_from_epoch": start_epoch})
+            train(job, trainer, shards, test_ds, [c for c in (progress, saver, record) if c], start)
+            if saver:
+                saver.wait()
+        return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor, saver,
+                      {"started": started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start})
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
-        return stop_early(job, exc, tracker, node_monitor)
+        return stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor)
 
 
 def read_settings(argv):
@@ -183,14 +192,35 @@ def build_model(job, test_metrics):
 
 def resume(job, trainer):
     """The newest good checkpoint of this same training, loaded into the network and optimizer (None with
-    --resume never or none found), this training's trajectory, which its checkpoints record, and the epoch every
-    rank starts from."""
+    --resume never or none found) with the stopped job's last finished step, this training's trajectory, which
+    its checkpoints record, and the Position every rank starts from."""
     directory = job.cfg.output_dir / "checkpoints"
     current = checkpoints.trajectory(job.cfg, {**job.resolved, "data_sha256": job.checksums}, trainer.train_network)
     resumed = None
     if job.cfg.resume == "auto":
         resumed = checkpoints.load_latest_checkpoint(directory, trainer.train_network, current)
+    if resumed:
+        resumed["previous_step"] = restarts.read_record(directory)
     return resumed, current, checkpoints.agree_on_resume(job.collective, resumed, directory, job.cfg.epochs)
+
+
+def compile_step(trainer, shards):
+    """The training step, compiled before Model.fit so that its cost is not hidden in the first step (Model.fit
+    reuses the compiled graph: the inputs have the same shapes and types)."""
+    trainer.train_network.set_train()
+    trainer.train_network.compile(Tensor(shards.images[:shards.batch_size]), Tensor(shards.labels[:shards.batch_size]))
+
+
+def train(job, trainer, shards, test_ds, callbacks, start):
+    """Model.fit from `start`, validating after every epoch: first the rest of an interrupted epoch as a fit of
+    its own (MindSpore fixes a dataset's length for all its epochs), then the whole epochs left."""
+    fit = {"valid_dataset": test_ds, "valid_frequency": 1, "callbacks": callbacks, "dataset_sink_mode": False}
+    epoch = start.epoch
+    if start.step:
+        trainer.fit(epoch + 1, data.train_dataset(shards, epoch, skip=start.step), initial_epoch=epoch, **fit)
+        epoch += 1
+    if epoch < job.cfg.epochs:
+        trainer.fit(job.cfg.epochs, data.train_dataset(shards, epoch), initial_epoch=epoch, **fit)
 
 
 def start_tracking(job, resumed, splits, sources):
@@ -209,14 +239,22 @@ def start_tracking(job, resumed, splits, sources):
     return tracker, tracking.watch_node(collective, tracker, collective.world_size, job.local_workers)
 
 
-def stop_early(job, exc, tracker, node_monitor):
+def stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor):
     """The job ends without results. Divergence (exit 3) and SIGTERM or SIGINT (128 + the signal) stop every rank
-    at the same step; a full disk (exit 4) stops rank 0, the one writer, whose exit ends the others."""
+    at the same step, and on SIGTERM or SIGINT rank 0 checkpoints it; a full disk (exit 4) stops rank 0, the one
+    writer, whose exit ends the others."""
     checkpoint_dir = job.cfg.output_dir / "checkpoints"
     if isinstance(exc, distributed.Terminated):
         status, run_status = 128 + exc.signum, "KILLED"
         if job.collective.is_main:
-            log.warning("%s; the next start resumes from the newest checkpoint in %s", exc, checkpoint_dir)
+            try:
+                saver.save_now(trainer.train_network, progress.position)
+                record.mark()  # the stop's time: the next start measures its restart from here
+                log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
+                            checkpoints.checkpoint_path(checkpoint_dir, progress.position))
+            except common.DiskFull as full:
+                status = common.EXIT_DISK_FULL
+                log.error("%s; the next start resumes from the newest checkpoint before it", full)
     elif isinstance(exc, monitor.Diverged):
         status, run_status = common.EXIT_DIVERGED, "FAILED"
         if job.collective.is_main:
@@ -233,7 +271,7 @@ def stop_early(job, exc, tracker, node_monitor):
     return status
 
 
-def report(job, net, trainer, test_ds, test_images, progress, tracker, node_monitor, timing):
+def report(job, net, trainer, test_ds, test_images, progress, tracker, node_monitor, saver, timing):
     """The job's results, measured on every rank and written by rank 0: summary.json, the final model as a
     checkpoint, as MindIR and as the run's MLflow model, and the PNGs. Exit 1 if the replicas diverged."""
     cfg, collective = job.cfg, job.collective
@@ -266,7 +304,10 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
         "first_step_s": progress.first_step_s, "fit_s": timing["fit_s"],
         "wall_s": time.perf_counter() - timing["started"], "replicas_identical": identical,
         "mlflow_run_id": tracker.run_id, "skipped_steps": progress.skipped_steps,
-        "resumed_from_epoch": timing["resumed_from_epoch"], "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
+        "resumed_from_epoch": timing["resumed_from"].epoch, "resumed_from_step": timing["resumed_from"].step,
+        "restarts": saver.restarts, "weights_sha256": fingerprints[0].tobytes().hex(),
+        "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
+        "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
         "epoch_history": history,
     }
     outputs = {"model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),

@@ -10,8 +10,9 @@ Modules, each one concern; imports run down this list and never up:
     device       device choice, oneDNN's ISA cap, CPU cores per worker
     distributed  joining the msrun job, collectives, the stop agreement
     metrics      figures over the whole test set, gathered across ranks
+    checkpoints  checkpoints, written in the background, and exact resume from any step
     monitor      the training callback: progress, divergence, stop
-    checkpoints  checkpoints and exact resume
+    restarts     what each restart cost, for the MLflow run
     serving      the trained model outside training: --predict, MindIR, mlflow models serve
     tracking     the MLflow run
     plots        the PNGs

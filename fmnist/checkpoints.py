@@ -1,18 +1,43 @@
-"""Checkpoints and exact resume: rank 0 writes one per epoch (weights, optimizer state, the epoch, the figures
-so far and the settings that shaped the training), whole or not at all; a restart continues from the newest
-good one, and refuses one of another training."""
+"""Checkpoints and exact resume. Rank 0 writes one at the end of each epoch, one every --checkpoint-steps steps
+and one when the ranks agree to stop; each holds the weights, the optimizer state, where the training was (the
+epoch, the step within it: the data order follows from them) and the settings that shaped it. Each is whole
+or absent and CRC-checked. A restart continues from the newest good one, and refuses one of another training.
 
+Names sort as the training went: epoch-0002.ckpt is epoch 2 done (and validated), epoch-0003-step-000016.ckpt
+is 16 steps into epoch 3.
+"""
+
+import concurrent.futures
 import dataclasses
 import json
+import re
+import time
 from pathlib import Path
 
 import mindspore as ms
+from mindspore import Tensor
 from mindspore.train import Callback
 
 from . import common, settings
 from .common import log
 
-CHECKPOINT_FORMAT = 2  # 2: a checkpoint records the settings of its training; job 1.0.0 wrote format 1
+CHECKPOINT_FORMAT = 3  # 3 adds the step within the epoch (2 is read as step 0); 2 added the settings
+READABLE_FORMATS = (2, 3)
+NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Position:
+    """Where a training is: `epoch` epochs done, then `step` steps of the next one."""
+
+    epoch: int = 0
+    step: int = 0
+
+    def global_step(self, steps_per_epoch):
+        return self.epoch * steps_per_epoch + self.step
+
+    def __str__(self):
+        return f"epoch {self.epoch}" if not self.step else f"epoch {self.epoch + 1}, step {self.step}"
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -21,8 +46,24 @@ def save_checkpoint(cell, path, extra=None):
         ms.save_checkpoint(cell, str(tmp), append_dict=extra, crc_check=True)
 
 
-def checkpoint_path(directory, epoch):
-    return Path(directory) / f"epoch-{epoch:04d}.ckpt"
+def checkpoint_path(directory, position):
+    name = f"epoch-{position.epoch:04d}" if not position.step else f"epoch-{position.epoch + 1:04d}-step-{position.step:06d}"
+    return Path(directory) / f"{name}.ckpt"
+
+
+def position_of(path):
+    """The Position a checkpoint's name gives, or None for any other file."""
+    match = NAME.fullmatch(Path(path).name)
+    if not match:
+        return None
+    epoch, step = int(match.group(1)), int(match.group(2) or 0)
+    return Position(epoch - 1, step) if step else Position(epoch, 0)
+
+
+def newest_first(directory):
+    """The checkpoints in `directory`, the newest (furthest into the training) first."""
+    found = [(position_of(path), path) for path in Path(directory).glob("epoch-*.ckpt")]
+    return [path for position, path in sorted((f for f in found if f[0] is not None), reverse=True)]
 
 
 def trajectory(cfg, resolved, train_network):
@@ -36,7 +77,7 @@ def trajectory(cfg, resolved, train_network):
 
 def resume_conflicts(meta, current):
     """What differs between a checkpoint's training and this job's, one 'name: was X, now Y' per item."""
-    if meta.get("format") != CHECKPOINT_FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
     saved = meta["trajectory"]
@@ -56,7 +97,7 @@ def load_latest_checkpoint(directory, train_network, current):
     a corrupt or partial one is skipped with a warning. Returns its metadata, or None. A checkpoint of another
     training (other settings, model, world size or job version) raises UsageError naming every difference:
     continuing it with this job's settings would produce a model that no run describes."""
-    for path in sorted(Path(directory).glob("epoch-*.ckpt"), reverse=True):
+    for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
             meta = json.loads(params.pop("meta"))
@@ -72,40 +113,78 @@ def load_latest_checkpoint(directory, train_network, current):
         if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
             raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
                                     f"{missing[0]}; start fresh with --resume never")
-        return {**meta, "path": str(path)}
+        return {**meta, "path": str(path), "position": Position(meta["epoch"], meta.get("step", 0))}
     return None
 
 
 def agree_on_resume(collective, resumed, directory, epochs):
-    """The epoch every rank resumes from (0: a fresh start); UsageError when the ranks found different
-    checkpoints, as nodes that do not share the output directory would. A collective."""
-    start_epoch = resumed["epoch"] if resumed else 0
-    agreed = collective.all_gather(start_epoch)
-    if (agreed != start_epoch).any():
-        raise common.UsageError(f"ranks found different checkpoints to resume from (epochs {agreed.tolist()}); "
-                                f"is {directory} shared by all nodes?")
+    """The Position every rank resumes from (Position(): a fresh start); UsageError when the ranks found
+    different checkpoints, as nodes that do not share the output directory would. A collective."""
+    start = resumed["position"] if resumed else Position()
+    agreed = collective.all_gather([start.epoch, start.step])
+    if (agreed != agreed[0]).any():
+        raise common.UsageError(f"ranks found different checkpoints to resume from (epoch and step "
+                                f"{agreed.tolist()}); is {directory} shared by all nodes?")
     if resumed:
-        log.info("resuming from %s: %d of %d epochs done", resumed["path"], start_epoch, epochs)
-    return start_epoch
+        log.info("resuming from %s: %d of %d epochs%s done", resumed["path"], start.epoch, epochs,
+                 f" and {start.step} steps" if start.step else "")
+    return start
 
 
 class CheckpointSaver(Callback):
-    """Rank 0 writes one checkpoint per epoch (weights, optimizer state, epoch and the figures so far) and
-    keeps the newest `keep`; only one process ever writes a checkpoint file."""
+    """Rank 0's checkpoints: at each epoch's end, every `every_steps` steps (0: never mid-epoch) and, through
+    save_now(), when the job stops. It keeps the newest `keep`; only one process ever writes a checkpoint file.
 
-    def __init__(self, directory, keep, monitor, tracker, current):
+    A save copies the parameters on the training thread (about a millisecond for LeNet and its optimizer) and
+    writes them on a thread of its own, so the next steps run while the file is written. At most one write is
+    in flight: a save waits for the previous one, and raises its error (a full disk) there."""
+
+    def __init__(self, directory, keep, every_steps, monitor, tracker, current, restarts=0):
         super().__init__()
-        self.directory, self.keep, self.monitor, self.tracker = Path(directory), keep, monitor, tracker
-        self.current = current  # the trajectory, checked on resume
+        self.directory, self.keep, self.every_steps = Path(directory), keep, every_steps
+        self.monitor, self.tracker = monitor, tracker
+        self.current, self.restarts = current, restarts  # the trajectory, checked on resume; restarts so far
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending = None
+        self.save_s = []  # the training thread's share of each save, seconds
+
+    def on_train_step_end(self, run_context):
+        position, steps = self.monitor.position, self.monitor.steps_per_epoch
+        if (self.every_steps and position.step < steps  # the epoch's last step: its end's checkpoint follows
+                and position.global_step(steps) % self.every_steps == 0):
+            self.save(run_context.original_args().train_network, position)
 
     def on_train_epoch_end(self, run_context):
-        cb = run_context.original_args()
+        self.save(run_context.original_args().train_network, Position(run_context.original_args().cur_epoch_num))
+
+    def save(self, train_network, position):
+        started = time.perf_counter()
+        self.wait()
         # run_id waits only while the run is being created, so a resumed job can continue the same run.
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "trajectory": self.current,
-                "epoch": cb.cur_epoch_num, "mlflow_run_id": self.tracker.run_id,
-                "history": self.monitor.epoch_history, "loss_points": self.monitor.loss_points}
+                "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
+                "mlflow_run_id": self.tracker.run_id, "history": list(self.monitor.epoch_history),
+                "loss_points": list(self.monitor.loss_points)}
+        # A copy: the optimizer updates the parameters in place while the writer works.
+        snapshot = [{"name": name, "data": Tensor(param.asnumpy().copy())}
+                    for name, param in train_network.parameters_dict().items()]
+        self._pending = self._writer.submit(self._write, snapshot, checkpoint_path(self.directory, position),
+                                            {"meta": json.dumps(meta)})
+        self.save_s.append(time.perf_counter() - started)
+
+    def save_now(self, train_network, position):
+        """A checkpoint of `position`, written before this returns: the job is about to exit."""
+        self.save(train_network, position)
+        self.wait()
+
+    def wait(self):
+        """Until the write in flight is done; raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(self, snapshot, path, extra):
         self.directory.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(cb.train_network, checkpoint_path(self.directory, cb.cur_epoch_num),
-                        extra={"meta": json.dumps(meta)})
-        for old in sorted(self.directory.glob("epoch-*.ckpt"))[:-self.keep]:
+        save_checkpoint(snapshot, path, extra=extra)
+        for old in newest_first(self.directory)[self.keep:]:
             old.unlink()

@@ -10,6 +10,8 @@ What the rest of the job relies on:
                                 this rank's batches of (input, one-hot label), for Model.fit
 """
 
+import copy
+
 import numpy as np
 
 import mindspore as ms
@@ -63,32 +65,38 @@ class ShardBatches:
     Each epoch draws one permutation from (seed, epoch), the same on every rank, and rank r takes the r-th
     contiguous block of it, so shards are disjoint and together cover the epoch. Whole batches cost one
     fancy-index each, where a per-sample source with the framework's sharding spent about a third of the
-    2-core machine's step time in the pipeline. Counting from `first_epoch` gives a resumed job the same
-    data order as an uninterrupted one.
+    2-core machine's step time in the pipeline. The order is a function of (seed, epoch, step) alone, so a
+    resumed job that starts at `epoch` after `skip` steps trains the same batches as an uninterrupted one.
     """
 
-    def __init__(self, images, labels, batch_size, rank, world_size, seed, first_epoch=0):
+    def __init__(self, images, labels, batch_size, rank, world_size, seed, epoch=0, skip=0):
         self.images, self.labels = images, labels
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
-        self.epoch = first_epoch
+        self.epoch, self.skip = epoch, skip
+
+    @property
+    def steps_per_epoch(self):
+        return len(self.images) // (self.batch_size * self.world_size)
 
     def __len__(self):
-        return len(self.images) // (self.batch_size * self.world_size)
+        return self.steps_per_epoch - self.skip
 
     def __iter__(self):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.images))
         self.epoch += 1
-        per_rank = len(self) * self.batch_size
+        per_rank = self.steps_per_epoch * self.batch_size
         mine = order[self.rank * per_rank:(self.rank + 1) * per_rank]
-        for start in range(0, per_rank, self.batch_size):
+        for start in range(self.skip * self.batch_size, per_rank, self.batch_size):
             batch = mine[start:start + self.batch_size]
             yield self.images[batch], self.labels[batch]
 
 
-def train_dataset(shards, first_epoch=0):
-    """The training batches of `shards` for Model.fit, from `first_epoch` on: a resumed job continues the data
-    order of an uninterrupted one."""
-    shards.epoch = first_epoch
+def train_dataset(shards, epoch=0, skip=0):
+    """The training batches of `shards` for Model.fit from epoch `epoch` (counted from 0), `skip` steps into
+    it. With `skip`, every epoch of the dataset is that short (MindSpore fixes a dataset's length once), so
+    such a dataset is for the rest of one interrupted epoch."""
+    shards = copy.copy(shards)  # each dataset counts its own epochs
+    shards.epoch, shards.skip = epoch, skip
     return ms.dataset.GeneratorDataset(shards, column_names=["image", "label"], shuffle=False,
                                        python_multiprocessing=False)
 

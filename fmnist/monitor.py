@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import ops
 from mindspore.train import Callback
 
-from . import distributed
+from . import checkpoints, distributed
 from .common import log
 
 
@@ -45,15 +45,18 @@ class TrainingMonitor(Callback):
     hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
     per-epoch validation loss and accuracy over the full test set."""
 
-    def __init__(self, collective, tracker, epochs, global_batch, log_interval, started, resumed=None,
-                 num_classes=10, check_learning=True, stop=None):
+    def __init__(self, collective, tracker, epochs, steps_per_epoch, global_batch, log_interval, started,
+                 resumed=None, num_classes=10, check_learning=True, stop=None):
         super().__init__()
         # Losses and accuracies of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
         self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
         self.check_learning = check_learning
         self.collective, self.tracker = collective, tracker
         self.stop = stop or distributed.StopRequest()
-        self.epochs, self.global_batch, self.log_interval = epochs, global_batch, log_interval
+        self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
+        self.global_batch, self.log_interval = global_batch, log_interval
+        # Where the training is, counted on from the checkpoint resumed from.
+        self.position = resumed["position"] if resumed else checkpoints.Position()
         self.started = started
         self.first_step_s = None
         # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
@@ -68,7 +71,7 @@ class TrainingMonitor(Callback):
 
     def on_train_epoch_begin(self, run_context):
         self._epoch_start = self._interval_start = time.perf_counter()
-        self._epoch_steps = self._interval_steps = 0
+        self._epoch_steps = self._interval_steps = 0  # trained in this process
 
     def on_train_step_end(self, run_context):
         cb = run_context.original_args()
@@ -82,11 +85,12 @@ class TrainingMonitor(Callback):
         self._loss_steps += 1
         self._epoch_steps += 1
         self._interval_steps += 1
+        self.position = checkpoints.Position(cb.cur_epoch_num - 1, self.position.step % self.steps_per_epoch + 1)
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.started
             if self.collective.is_main:
                 log.info("first step done %.1f s after start", self.first_step_s)
-        step = (cb.cur_epoch_num - 1) * cb.batch_num + self._epoch_steps  # counts on across a resume
+        step = self.position.global_step(self.steps_per_epoch)  # counts on across a resume
         if step % self.log_interval == 0:
             self._report_interval(cb, step)
 
@@ -101,14 +105,15 @@ class TrainingMonitor(Callback):
         if self.check_learning and per_rank.mean() > EXPLODED * self.untrained_loss:
             raise Diverged(f"training loss {per_rank.mean():.4g} at step {step} (epoch {cb.cur_epoch_num}), over "
                            f"{EXPLODED} times the {self.untrained_loss:.2f} of an untrained network")
-        if stop_signals.any():
+        # At an epoch's last step the stop waits for the epoch's end: its validation belongs in the checkpoint.
+        if stop_signals.any() and self.position.step < self.steps_per_epoch:
             raise distributed.Terminated(int(stop_signals.max()), step)
         now = time.perf_counter()
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
         if self.collective.is_main:
             log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
-                     self._epoch_steps, cb.batch_num, per_rank.mean(), f"{rate:,.0f}")
+                     self.position.step, self.steps_per_epoch, per_rank.mean(), f"{rate:,.0f}")
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
             if self._loss_scale is not None:
@@ -116,7 +121,7 @@ class TrainingMonitor(Callback):
                 metrics.update({"loss_scale": float(self._loss_scale.asnumpy()), "skipped_steps": self.skipped_steps})
                 self._overflows = None
             self.tracker.log_metrics(metrics, step=step)
-            self.loss_points.append((step / cb.batch_num, float(per_rank.mean())))
+            self.loss_points.append((step / self.steps_per_epoch, float(per_rank.mean())))
 
     def on_eval_begin(self, run_context):
         self._train_s = time.perf_counter() - self._epoch_start
@@ -134,7 +139,8 @@ class TrainingMonitor(Callback):
         self.confusion = metrics.get("confusion", self.confusion)
         self._train_s = None
         # The same figures on every rank; checked before this epoch's checkpoint is written.
-        steps = cb.cur_epoch_num * cb.batch_num
+        self.position = checkpoints.Position(cb.cur_epoch_num)
+        steps = self.position.global_step(self.steps_per_epoch)
         if not math.isfinite(figures.get("val_loss", 0.0)):
             raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} (step {steps})")
         if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
@@ -152,4 +158,7 @@ class TrainingMonitor(Callback):
             # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
             self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
                                       for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
+        stop_signals = self.collective.all_gather(np.array([self.stop.signum]))
+        if stop_signals.any():
+            raise distributed.Terminated(int(stop_signals.max()), steps)
 

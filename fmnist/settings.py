@@ -88,7 +88,10 @@ SETTINGS = (
     Setting("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go", free_on_resume=True),
     Setting("--resume", str, "auto", "auto: continue from the newest good checkpoint in the output dir; never: "
             "start fresh", choices=("auto", "never"), free_on_resume=True),
-    Setting("--keep-checkpoints", int, 3, "epoch checkpoints kept in <output-dir>/checkpoints", check=positive,
+    Setting("--checkpoint-steps", int, 0, "also checkpoint every N steps, written in the background, so that a "
+            "kill -9 loses fewer than N steps; 0: at the end of each epoch only", check=non_negative,
+            free_on_resume=True),
+    Setting("--keep-checkpoints", int, 3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=positive,
             free_on_resume=True),
     Setting("--predict", str, "", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
             free_on_resume=True),
