@@ -2,10 +2,11 @@
 #   make run    train with ./run.sh: one worker per Ascend device, else 2 CPU workers (ARGS="--epochs 3")
 #   make test   the test suite, as CI runs it (all but the image's tests)
 #   make test-image  build the image with podman and run it, and the manifests' pods (as root; a few minutes)
-#   make bench  the benchmark on the real data (BENCH_ARGS="--epochs 2 --compare-workers 1")
+#   make bench  the benchmark on the real data, beside its PyTorch DDP peer (BENCH_ARGS="--epochs 2 --pairs 3")
 PYTHON ?= python3
 VENV ?= .venv
 CHECKOV_VENV ?= .venv-checkov
+PEER_VENV ?= .venv-peer
 BIN := $(abspath $(VENV))/bin
 SYSTEM_DATA := /usr/share/datasets/fashion-mnist
 
@@ -24,8 +25,14 @@ test: $(VENV)/.dev
 test-image: $(VENV)/.dev image-tools
 	IMAGE_TESTS=required PATH="$(BIN):$$PATH" python -m pytest -m image $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime system-data
-	PATH="$(BIN):$$PATH" python bench/bench.py $(BENCH_ARGS)
+bench: $(VENV)/.runtime $(PEER_VENV)/.installed system-data
+	PATH="$(BIN):$$PATH" python bench/bench.py --peer-python $(PEER_VENV)/bin/python $(BENCH_ARGS)
+
+# The benchmark's PyTorch peer, in a venv of its own so that the job's pins never move.
+$(PEER_VENV)/.installed: bench/requirements-peer.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet -r bench/requirements-peer.txt
+	touch $@
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -56,4 +63,4 @@ image-tools:
 	fi
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) outputs mlruns mlflow.db
+	rm -rf $(VENV) $(CHECKOV_VENV) $(PEER_VENV) outputs mlruns mlflow.db

@@ -216,7 +216,7 @@ def train(job, trainer, shards, test_ds, callbacks, start):
     its own (MindSpore fixes a dataset's length for all its epochs), then the whole epochs left."""
     fit = {"valid_dataset": test_ds, "valid_frequency": 1, "callbacks": callbacks, "dataset_sink_mode": False}
     epoch = start.epoch
-    if start.step:
+    if start.step and epoch < job.cfg.epochs:
         trainer.fit(epoch + 1, data.train_dataset(shards, epoch, skip=start.step), initial_epoch=epoch, **fit)
         epoch += 1
     if epoch < job.cfg.epochs:
@@ -301,7 +301,7 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
         "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
-        "first_step_s": progress.first_step_s, "fit_s": timing["fit_s"],
+        "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at, "fit_s": timing["fit_s"],
         "wall_s": time.perf_counter() - timing["started"], "replicas_identical": identical,
         "mlflow_run_id": tracker.run_id, "skipped_steps": progress.skipped_steps,
         "resumed_from_epoch": timing["resumed_from"].epoch, "resumed_from_step": timing["resumed_from"].step,

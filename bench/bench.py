@@ -1,7 +1,9 @@
 """Benchmark the real job: run.sh (msrun) on the real data, with MLflow tracking to a real server on
-127.0.0.1 and, side by side in the same invocation, with tracking off; print one table, write JSON.
+127.0.0.1 and, side by side in the same invocation, with tracking off and its PyTorch DDP peer
+(bench/peer_torch.py: the same network, data, data order, batch, optimizer and worker count, in a venv of
+its own); print one table and the ratio torch/ours, write JSON. `make bench` makes the peer's venv.
 
-    python bench/bench.py --data-dir ../shared/data/fashion-mnist                # 10 epochs, 2 workers
+    python bench/bench.py --data-dir ../shared/data/fashion-mnist --peer-python .venv-peer/bin/python
     python bench/bench.py --data-dir DIR --epochs 2 --workers 2 --compare-workers 1 --scaling
     python bench/bench.py --data-dir DIR --cpu-isa ALL      # without the job's default oneDNN cap (AVX2)
 
@@ -49,13 +51,22 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-isa", default=os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
                         help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or ALL "
                              "for none; default: the job's own (AVX2 on x86-64)")
+    parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peer" / "bin" / "python",
+                        help="the Python of the PyTorch peer's venv (default: .venv-peer/bin/python, as make bench "
+                             "makes it)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="untracked runs of the job, each followed by one of the peer; the ratio is taken "
+                             "pair by pair, so a drifting machine moves both alike (default: 1)")
     parser.add_argument("--serving-requests", type=int, default=300,
                         help="requests per serving cell (batch 1 and 64, 1 and 16 clients); 0 skips serving "
                              "(default: 300)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bench.json",
                         help="where to write the results (default: bench/results/bench.json)")
     args = parser.parse_args(argv)
-    for name in ("epochs", "workers", "batch_size"):
+    if not (args.peer_python.parent / "torchrun").exists():
+        parser.error(f"--peer-python {args.peer_python}: no PyTorch venv there; make bench makes it "
+                     "(pip install -r bench/requirements-peer.txt in a venv of its own)")
+    for name in ("epochs", "workers", "batch_size", "pairs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -96,7 +107,7 @@ def run_job(name, workdir, args, workers, batch_size, env_extra):
     cmd = [str(ROOT / "run.sh"), "--data-dir", str(args.data_dir.resolve()), "--output-dir", str(out),
            "--epochs", str(args.epochs), "--batch-size", str(batch_size), "--resume", "never"]
     print(f"bench: {name}: {workers} worker(s), batch {batch_size} each, {args.epochs} epochs", flush=True)
-    started, cpu_before = time.perf_counter(), children_cpu_s()
+    launched, started, cpu_before = time.time(), time.perf_counter(), children_cpu_s()
     result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, check=False)
     wall, cpu = time.perf_counter() - started, children_cpu_s() - cpu_before
     if result.returncode != 0:
@@ -104,7 +115,26 @@ def run_job(name, workdir, args, workers, batch_size, env_extra):
     summary = json.loads((out / "summary.json").read_text())
     trained = sum(e["train_samples_per_s"] * e["train_s"] for e in summary["epoch_history"])
     return {"name": name, "workers": workers, "batch_size": batch_size, "launch_wall_s": wall, "cpu_s": cpu,
-            "cpu_s_per_1000_samples": cpu / trained * 1000, **summary}
+            "cpu_s_per_1000_samples": cpu / trained * 1000,
+            "launch_to_first_step_s": summary["first_step_at"] - launched, **summary}
+
+
+def run_peer(name, workdir, args):
+    """One run of the PyTorch DDP peer with torchrun; returns its JSON plus the launch-to-exit wall time."""
+    out = workdir / f"{name}.json"
+    cmd = [str(args.peer_python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
+           str(ROOT / "bench" / "peer_torch.py"), "--data-dir", str(args.data_dir.resolve()), "--epochs",
+           str(args.epochs), "--batch-size", str(args.batch_size), "--json", str(out)]
+    print(f"bench: {name}: PyTorch DDP, {args.workers} worker(s), batch {args.batch_size} each, {args.epochs} epochs",
+          flush=True)
+    launched, started = time.time(), time.perf_counter()
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=False,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise SystemExit(f"bench: {name} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
+    peer = json.loads(out.read_text())
+    return {"name": name, "launch_wall_s": time.perf_counter() - started,
+            "launch_to_first_step_s": peer["first_step_at"] - launched, **peer}
 
 
 def children_cpu_s():
@@ -117,8 +147,14 @@ def table(runs):
     rows = [("run", "wall s", "first step s", "train samples/s", "per epoch", "eval s", "CPU s/1k samples",
              "peak MB/worker", "test acc")]
     for run in runs:
+        if "epoch_history" not in run:  # the peer
+            rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
+                         f"{run['train_samples_per_s']:,.0f}",
+                         " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epochs"]), "-", "-", "-",
+                         f"{run['test_accuracy']:.4f}"))
+            continue
         per_epoch = " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epoch_history"])
-        rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['first_step_s']:.1f}",
+        rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
                      f"{run['train_samples_per_s']:,.0f}", per_epoch,
                      f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}", f"{run['cpu_s_per_1000_samples']:.3f}",
                      f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
@@ -135,7 +171,12 @@ def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         workdir = Path(tmp)
-        untracked = run_job("untracked", workdir, args, args.workers, args.batch_size, {"TRACKING": "off"})
+        pairs = []  # (the job untracked, its PyTorch peer), run in turn
+        for i in range(args.pairs):
+            suffix = f"-{i + 1}" if args.pairs > 1 else ""
+            pairs.append((run_job(f"untracked{suffix}", workdir, args, args.workers, args.batch_size,
+                                  {"TRACKING": "off"}), run_peer(f"pytorch-ddp{suffix}", workdir, args)))
+        untracked = pairs[0][0]
         with mlflow_server(workdir) as (url, server):
             wait_until_idle(server.pid)
             server_cpu = cpu_seconds(server.pid)
@@ -148,7 +189,7 @@ def main(argv=None):
                 print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell", flush=True)
                 served = serving.measure(f"runs:/{tracked['mlflow_run_id']}/model", workdir, url,
                                          test_images(args.data_dir), args.serving_requests)
-        runs = [untracked, tracked]
+        runs = [*(run for pair in pairs for run in pair), tracked]
         global_batch = args.workers * args.batch_size
         for workers in args.compare_workers:
             runs.append(run_job(f"{workers}-worker", workdir, args, workers, global_batch // workers,
@@ -165,10 +206,14 @@ def main(argv=None):
     print(f"\nMLflow logging overhead: {overhead:+.1%} of wall time "
           f"({tracked['launch_wall_s']:.1f} s tracked vs {untracked['launch_wall_s']:.1f} s untracked); "
           f"the tracking server used {tracked['server_cpu_s']:.1f} CPU-s of this machine meanwhile")
+    ratios = sorted(peer["train_samples_per_s"] / ours["train_samples_per_s"] for ours, peer in pairs)
+    print(f"\nPyTorch DDP / this job, train samples/s: {' '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per worker)")
     if served:
         print(f"\nthe served model (mlflow models serve, {args.serving_requests} requests per row):")
         print(aligned(serving.rows(served)))
-    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served}
+    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served,
+               "torch_over_ours": ratios}
     if args.scaling:
         results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "

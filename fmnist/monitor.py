@@ -58,7 +58,7 @@ class TrainingMonitor(Callback):
         # Where the training is, counted on from the checkpoint resumed from.
         self.position = resumed["position"] if resumed else checkpoints.Position()
         self.started = started
-        self.first_step_s = None
+        self.first_step_s = self.first_step_at = None  # since main() started; on the wall clock
         # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
         self.epoch_history = list(resumed["history"]) if resumed else []
         # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
@@ -87,7 +87,7 @@ class TrainingMonitor(Callback):
         self._interval_steps += 1
         self.position = checkpoints.Position(cb.cur_epoch_num - 1, self.position.step % self.steps_per_epoch + 1)
         if self.first_step_s is None:
-            self.first_step_s = time.perf_counter() - self.started
+            self.first_step_s, self.first_step_at = time.perf_counter() - self.started, time.time()
             if self.collective.is_main:
                 log.info("first step done %.1f s after start", self.first_step_s)
         step = self.position.global_step(self.steps_per_epoch)  # counts on across a resume

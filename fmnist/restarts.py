@@ -37,14 +37,14 @@ def read_record(directory):
 
 
 def process_start_time():
-    """This process's start, on the wall clock (from /proc: the kernel's boot time and the process's age)."""
+    """This process's start, on the wall clock: now less its age, which the kernel gives in clock ticks since
+    boot (/proc/self/stat) against the time since boot (/proc/uptime), both to 10 ms."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class Laps:
@@ -96,11 +96,8 @@ def restart_cost(previous, resumed, laps, resumed_step):
             "restart_steps_lost": max(0, previous[0] - resumed_step) if previous else 0}
     parts = {}
     if previous:
-        started = process_start_time()
-        if started is not None and previous[1] <= started <= laps.started_wall:
-            parts["down"], parts["startup"] = started - previous[1], laps.started_wall - started
-        else:
-            parts["startup"] = laps.started_wall - previous[1]
+        started = min(max(process_start_time() or previous[1], previous[1]), laps.started_wall)
+        parts["down"], parts["startup"] = started - previous[1], laps.started_wall - started
     parts.update(laps.laps)
     cost.update({f"restart_{phase}_s": seconds for phase, seconds in parts.items()})
     if previous:

@@ -166,7 +166,9 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     assert (workspace / "outputs" / "checkpoints" / "epoch-0001.ckpt").exists()
     rerun = podman(*run, "--rm", image, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert re.search(r"resuming from \S+/epoch-0001\.ckpt: 1 of 3 epochs done", worker0.read_text())
+    # From the step the job stopped at, which it checkpointed before exiting.
+    assert re.search(r"resuming from \S+/epoch-0002-step-\d{6}\.ckpt: 1 of 3 epochs and \d+ steps done",
+                     worker0.read_text())
     assert json.loads((workspace / "outputs" / "summary.json").read_text())["replicas_identical"] is True
     assert foreign_files(workspace) == []
 

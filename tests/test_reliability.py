@@ -159,8 +159,12 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     assert job.returncode == 143, stderr[-3000:]
     assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
     log = worker0.read_text()
-    assert re.search(r"stopped by SIGTERM at step \d+; the next start resumes", log), log[-2000:]
-    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["epoch-0001.ckpt"]
+    # Rank 0 checkpointed the step the ranks stopped at: the next start loses nothing.
+    stop = re.search(r"stopped by SIGTERM at step \d+; checkpoint out/checkpoints/(epoch-0002-step-0*(\d+)\.ckpt) "
+                     r"written, the next start resumes from it", log)
+    assert stop, log[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [
+        "epoch-0001.ckpt", stop.group(1), "last-step"]
     assert not (tmp_path / "out" / "summary.json").exists()
     assert not any(alive(pid) for pid in job_workers)  # no worker left behind
     run_id = re.search(r"MLflow: run (\w+)", log).group(1)
@@ -168,7 +172,8 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     rerun = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
                            capture_output=True, text=True, timeout=600, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0.read_text()
+    assert (f"resuming from out/checkpoints/{stop.group(1)}: 1 of 3 epochs and {stop.group(2)} steps done"
+            in worker0.read_text())
     summary = read_summary(tmp_path / "out")
     assert summary["mlflow_run_id"] == run_id and summary["replicas_identical"] is True
     assert mlflow_run(tmp_path, run_id).info.status == "FINISHED"

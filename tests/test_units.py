@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import main
-from fmnist import common, data, device, distributed, fetch, metrics, model, monitor, settings, tracking
+from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, restarts, settings,
+                    tracking)
 from conftest import ROOT, idx_bytes, make_split
 
 
@@ -190,8 +191,11 @@ def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
     assert len(seen) == len(set(seen.tolist())) == 96  # no sample twice; the remainder is dropped
     second = np.concatenate([y for _, y in shards[0]])
     assert not np.array_equal(first[0], second)  # a new order every epoch
-    resumed = data.ShardBatches(images, labels, 8, 0, 3, seed=7, first_epoch=1)
+    resumed = data.ShardBatches(images, labels, 8, 0, 3, seed=7, epoch=1)
     np.testing.assert_array_equal(np.concatenate([y for _, y in resumed]), second)  # same order after resume
+    mid_epoch = data.ShardBatches(images, labels, 8, 0, 3, seed=7, epoch=1, skip=3)
+    assert len(mid_epoch) == 1 and mid_epoch.steps_per_epoch == 4
+    np.testing.assert_array_equal(np.concatenate([y for _, y in mid_epoch]), second[24:])  # the rest of it
     for x, y in data.ShardBatches(images, labels, 8, 1, 3, seed=7):
         np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
 
@@ -277,8 +281,8 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     them; the cell itself needs an Ascend device."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     tracker = RecordingTracker()
-    progress = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, global_batch=8, log_interval=2,
-                                   started=0.0)
+    progress = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, steps_per_epoch=4,
+                                       global_batch=8, log_interval=2, started=0.0)
     progress.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
@@ -305,3 +309,33 @@ def test_choices_are_checked_for_values_from_the_environment(monkeypatch, variab
     with pytest.raises(common.UsageError) as error:
         settings.parse_config([])
     assert str(error.value) == message
+
+
+def test_checkpoint_names_sort_as_the_training_went():
+    Position = checkpoints.Position
+    positions = [Position(1), Position(1, 16), Position(1, 200), Position(2), Position(2, 5)]
+    names = [checkpoints.checkpoint_path("d", p).name for p in positions]
+    assert names == ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt",
+                     "epoch-0002.ckpt", "epoch-0003-step-000005.ckpt"]
+    assert [checkpoints.position_of(name) for name in names] == positions
+    assert checkpoints.position_of("last-step") is None and Position(1, 16).global_step(256) == 272
+
+
+def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
+    for name in ("epoch-0001.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0002.ckpt", "epoch-0002-step-000300.ckpt",
+                 "last-step", ".epoch-0003.1a2b.part.ckpt", "epoch-x.ckpt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in checkpoints.newest_first(tmp_path)] == [
+        "epoch-0002.ckpt", "epoch-0002-step-000300.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0001.ckpt"]
+
+
+def test_restart_cost_is_the_steps_lost_and_phases_that_add_up():
+    laps = restarts.Laps()
+    laps.started_wall = 1000.0
+    laps.laps = {"join": 4.0, "setup": 0.5, "checkpoint": 0.1, "compile": 0.6, "first_step": 0.05}
+    cost = restarts.restart_cost((300, 990.0), {"restarts": 2}, laps, resumed_step=290)
+    assert cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
+    parts = sum(v for k, v in cost.items() if k.endswith("_s") and k != "restart_total_s")
+    assert cost["restart_total_s"] == pytest.approx(parts) == pytest.approx(10.0 + 5.25)
+    first = restarts.restart_cost(None, {}, laps, resumed_step=0)  # no record: nothing to measure from
+    assert first["restarts"] == 1 and first["restart_steps_lost"] == 0 and "restart_total_s" not in first

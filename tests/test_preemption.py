@@ -1,0 +1,96 @@
+"""Preemption without lost work, with real msrun and 2 CPU workers (and one process): step checkpoints, the
+checkpoint at a SIGTERM stop, a resume from the middle of an epoch that ends bit-identical to a training never
+interrupted, and each restart's cost in the same MLflow run."""
+
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from conftest import ROOT, job_env, read_summary, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+EVERY = 10  # --checkpoint-steps
+PARTS = ("down", "startup", "join", "setup", "checkpoint", "compile", "first_step")
+
+
+def job_args(data_dir, *extra):
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--epochs", "2", "--batch-size", "16", "--log-interval", "8",
+            "--checkpoint-steps", str(EVERY), *extra]
+
+
+def command(workers, args):
+    """2 workers through run.sh (msrun), as the image starts the job, in a PID namespace of its own so that a
+    kill -9 of its first process takes every process of the job with it, as losing the pod would; 1: main.py."""
+    if workers == 1:
+        return [sys.executable, str(ROOT / "main.py"), *args]
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", str(ROOT / "run.sh"), *args]
+
+
+def start(cwd, workers, args):
+    """The job, its console in cwd/console.log; returns the process and the log that rank 0 writes."""
+    job = subprocess.Popen(command(workers, args), cwd=cwd, env=job_env(WORKERS=str(workers)),
+                           stdout=subprocess.DEVNULL, stderr=(cwd / "console.log").open("w"))
+    return job, cwd / ("out/logs/worker_0.log" if workers > 1 else "console.log")
+
+
+def run(cwd, workers, args):
+    job, log = start(cwd, workers, args)
+    assert job.wait(timeout=600) == 0, (cwd / "console.log").read_text()[-3000:]
+    return read_summary(cwd / "out"), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(longer_data, tmp_path_factory):
+    """The weights' fingerprint of the same training never interrupted, for 1 and 2 workers."""
+    return {workers: run(tmp_path_factory.mktemp(f"whole{workers}"), workers,
+                         job_args(longer_data, "--tracking", "off"))[0]["weights_sha256"] for workers in (1, 2)}
+
+
+@pytest.mark.parametrize("workers", [2, 1], ids=["2-workers", "1-worker"])
+@pytest.mark.parametrize("how", ["sigterm", "kill"], ids=["sigterm", "kill-9"])
+def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_cost(longer_data, tmp_path,
+                                                                                    uninterrupted, workers, how):
+    args = job_args(longer_data)
+    job, log = start(tmp_path, workers, args)
+    wait_for(log, r"epoch 2/2 \| step (40|48)/", job, timeout=300)
+    if how == "kill":
+        job.kill()  # with 2 workers, unshare's PID namespace goes, and every process of the job with it
+    else:  # to run.sh, as Kubernetes would signal its PID 1
+        (psutil.Process(job.pid).children()[0] if workers > 1 else job).send_signal(signal.SIGTERM)
+    status = job.wait(timeout=120)
+    stopped_log = log.read_text()
+    last_step = int((tmp_path / "out" / "checkpoints" / "last-step").read_text().split()[0])
+    checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    assert len(checkpoints) <= 3, checkpoints  # --keep-checkpoints
+    step_in_epoch = int(re.fullmatch(r"epoch-0002-step-(\d{6})\.ckpt", checkpoints[-1]).group(1))
+    resumed_step = 8192 // (16 * workers) + step_in_epoch  # the global step of the checkpoint resumed from
+    if how == "sigterm":
+        assert status == 143, stopped_log[-3000:]
+        # The ranks agree at a log interval (8 steps), and rank 0 checkpoints that very step: nothing is lost.
+        assert step_in_epoch % 8 == 0 and last_step == resumed_step, (checkpoints, last_step)
+        assert f"checkpoint out/checkpoints/{checkpoints[-1]} written, the next start resumes from it" in stopped_log
+    else:
+        assert status in (-signal.SIGKILL, 128 + signal.SIGKILL), stopped_log[-3000:]
+        assert resumed_step % EVERY == 0, checkpoints
+        # At most one checkpoint's interval lost, and the one the writer had in flight.
+        assert 0 <= last_step - resumed_step < 2 * EVERY, (checkpoints, last_step)
+
+    summary, resumed_log = run(tmp_path, workers, args)
+    assert summary["weights_sha256"] == uninterrupted[workers]
+    assert (summary["resumed_from_epoch"], summary["resumed_from_step"], summary["restarts"]) == (1, step_in_epoch, 1)
+    assert f"resuming from out/checkpoints/{checkpoints[-1]}: 1 of 2 epochs and {step_in_epoch} steps done" in resumed_log
+    assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2]
+
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = summary["mlflow_run_id"]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["restarts"] == 1 and metrics["restart_steps_lost"] == last_step - resumed_step
+    parts = [metrics[f"restart_{part}_s"] for part in PARTS]
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(metrics["restart_total_s"])
+    assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]
