@@ -149,6 +149,8 @@ class CheckpointSaver(Callback):
         self.save_s = []  # the training thread's share of each save, seconds
 
     def on_train_step_end(self, run_context):
+        if self._pending is not None and self._pending.done():
+            self.wait()  # a failed write (a full disk) stops the job at the next step, not the next save
         position, steps = self.monitor.position, self.monitor.steps_per_epoch
         if (self.every_steps and position.step < steps  # the epoch's last step: its end's checkpoint follows
                 and position.global_step(steps) % self.every_steps == 0):
