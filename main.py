@@ -62,7 +62,7 @@ class Job:
 
 
 def main(argv=None) -> int:
-    started, laps = time.perf_counter(), restarts.Laps()  # laps: the phases a restart costs, timed as they end
+    laps = restarts.Laps()  # the phases before the first step (and a restart's cost), timed as they end
     try:
         job = read_settings(argv)
     except common.UsageError as exc:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         return common.EXIT_DISK_FULL
     tracker, node_monitor = start_tracking(job, resumed, splits, sources)
     progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, shards.steps_per_epoch,
-                                       cfg.batch_size * collective.world_size, cfg.log_interval, started, resumed,
+                                       cfg.batch_size * collective.world_size, cfg.log_interval, laps, resumed,
                                        len(data.CLASS_NAMES), cfg.divergence_check == "on")
     saver = record = None
     if collective.is_main:  # one writer of checkpoints
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
             if saver:
                 saver.wait()
         return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor, saver,
-                      {"started": started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start})
+                      {"started": laps.started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start,
+                       "startup_phases_s": laps.laps})
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
         return stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor)
 
@@ -301,7 +302,8 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
         "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
-        "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at, "fit_s": timing["fit_s"],
+        "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at,
+        "startup_phases_s": timing["startup_phases_s"], "fit_s": timing["fit_s"],
         "wall_s": time.perf_counter() - timing["started"], "replicas_identical": identical,
         "mlflow_run_id": tracker.run_id, "skipped_steps": progress.skipped_steps,
         "resumed_from_epoch": timing["resumed_from"].epoch, "resumed_from_step": timing["resumed_from"].step,

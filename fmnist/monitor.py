@@ -45,7 +45,7 @@ class TrainingMonitor(Callback):
     hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
     per-epoch validation loss and accuracy over the full test set."""
 
-    def __init__(self, collective, tracker, epochs, steps_per_epoch, global_batch, log_interval, started,
+    def __init__(self, collective, tracker, epochs, steps_per_epoch, global_batch, log_interval, laps,
                  resumed=None, num_classes=10, check_learning=True, stop=None):
         super().__init__()
         # Losses and accuracies of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
@@ -57,7 +57,7 @@ class TrainingMonitor(Callback):
         self.global_batch, self.log_interval = global_batch, log_interval
         # Where the training is, counted on from the checkpoint resumed from.
         self.position = resumed["position"] if resumed else checkpoints.Position()
-        self.started = started
+        self.laps = laps  # restarts.Laps: the phases since main() started
         self.first_step_s = self.first_step_at = None  # since main() started; on the wall clock
         # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
         self.epoch_history = list(resumed["history"]) if resumed else []
@@ -87,9 +87,11 @@ class TrainingMonitor(Callback):
         self._interval_steps += 1
         self.position = checkpoints.Position(cb.cur_epoch_num - 1, self.position.step % self.steps_per_epoch + 1)
         if self.first_step_s is None:
-            self.first_step_s, self.first_step_at = time.perf_counter() - self.started, time.time()
+            self.laps("first_step")
+            self.first_step_s, self.first_step_at = time.perf_counter() - self.laps.started, time.time()
             if self.collective.is_main:
-                log.info("first step done %.1f s after start", self.first_step_s)
+                log.info("first step done %.1f s after start (%s)", self.first_step_s,
+                         ", ".join(f"{phase.replace('_', ' ')} {s:.1f}" for phase, s in self.laps.laps.items()))
         step = self.position.global_step(self.steps_per_epoch)  # counts on across a resume
         if step % self.log_interval == 0:
             self._report_interval(cb, step)

@@ -51,7 +51,8 @@ class Laps:
     """The job's phases on the way to its first step, timed as they end: laps("join") after joining, etc."""
 
     def __init__(self):
-        self.started_wall, self._last = time.time(), time.perf_counter()
+        self.started_wall, self.started = time.time(), time.perf_counter()
+        self._last = self.started
         self.laps = {}
 
     def __call__(self, phase):
@@ -77,8 +78,7 @@ class StepRecord(Callback):
         os.pwrite(self._fd, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
 
     def on_train_step_end(self, run_context):
-        if self.cost is None and self.resumed:
-            self.laps("first_step")
+        if self.cost is None and self.resumed:  # the monitor, before this, timed the first step
             self.cost = restart_cost(self.previous, self.resumed, self.laps,
                                      self.resumed["position"].global_step(self.monitor.steps_per_epoch))
             log.info("restart %d: %d steps lost, %.1f s from the stop to this step (%s)", self.cost["restarts"],

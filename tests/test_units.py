@@ -282,7 +282,7 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     tracker = RecordingTracker()
     progress = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, steps_per_epoch=4,
-                                       global_batch=8, log_interval=2, started=0.0)
+                                       global_batch=8, log_interval=2, laps=restarts.Laps())
     progress.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
