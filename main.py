@@ -9,11 +9,12 @@ Run it (Ascend NPUs with HCCL when present, MindSpore's own CPU collective other
 Every setting is a flag and an environment variable (`python main.py --help`); the ones that matter:
 --epochs (10), --batch-size per device (64), --lr (0.1), --optimizer (sgd), --amp (auto: O2 on Ascend,
 O0 on CPU), --loss-scale (auto: dynamic for O2 on Ascend, none elsewhere), --data-dir (./data),
---output-dir (./outputs).
+--output-dir (./outputs), --checkpoint-steps (0: a checkpoint per epoch; N: also every N steps).
 
 main() below is the whole training, one function per stage: settings; joining the job (context, init(),
 device and cores); the data (fetched once per node, then a barrier); each rank's shard; the network, loss,
-optimizer and mixed precision; resume; Model.fit with its callbacks; the results, gathered from every rank.
+optimizer and mixed precision; resume, from any step; compiling the step; Model.fit with its callbacks; the
+results, gathered from every rank (or, on SIGTERM, a checkpoint of the step every rank stopped at).
 The helpers live in the package fmnist/, one module per concern. To train your own network or data, edit
 fmnist/model.py and fmnist/data.py only (README, "Train your own network").
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     if collective.is_main:  # one writer of checkpoints
         directory = cfg.output_dir / "checkpoints"
         saver = checkpoints.CheckpointSaver(directory, cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker,
-                                            current, restarts=resumed["restarts"] + 1 if resumed else 0)
+                                            current, restarts=resumed.get("restarts", 0) + 1 if resumed else 0)
         record = restarts.StepRecord(directory, progress, tracker, laps, resumed and resumed["previous_step"],
                                      resumed)
     fit_start = time.perf_counter()
