@@ -99,10 +99,11 @@ def main(argv=None) -> int:
     saver = record = None
     if collective.is_main:  # one writer of checkpoints
         directory = cfg.output_dir / "checkpoints"
+        restart = resumed["restarts"] + 1 if resumed else 0  # this start's number; 0: a fresh training
         saver = checkpoints.CheckpointSaver(directory, cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker,
-                                            current, restarts=resumed.get("restarts", 0) + 1 if resumed else 0)
+                                            current, restarts=restart)
         record = restarts.StepRecord(directory, progress, tracker, laps, resumed and resumed["previous_step"],
-                                     resumed)
+                                     restart)
     fit_start = time.perf_counter()
     try:
         with progress.stop:  # SIGTERM becomes a request the ranks agree on

@@ -36,9 +36,6 @@ class Position:
     def global_step(self, steps_per_epoch):
         return self.epoch * steps_per_epoch + self.step
 
-    def __str__(self):
-        return f"epoch {self.epoch}" if not self.step else f"epoch {self.epoch + 1}, step {self.step}"
-
 
 def save_checkpoint(cell, path, extra=None):
     """A CRC-checked checkpoint at `path`, complete or absent (MindSpore writes in place, and insists on .ckpt)."""
@@ -113,7 +110,9 @@ def load_latest_checkpoint(directory, train_network, current):
         if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
             raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
                                     f"{missing[0]}; start fresh with --resume never")
-        return {**meta, "path": str(path), "position": Position(meta["epoch"], meta.get("step", 0))}
+        # Format 2 had neither the step nor the restart count: it was written at an epoch's end.
+        return {**meta, "path": str(path), "position": Position(meta["epoch"], meta.get("step", 0)),
+                "restarts": meta.get("restarts", 0)}
     return None
 
 

@@ -63,36 +63,39 @@ class Laps:
 class StepRecord(Callback):
     """Rank 0: after every step, its global step and the time, overwritten in place (one 30-byte write, no
     fsync: it outlives the process, kill -9 included, though not the machine); marked again when the job
-    stops. A resumed job logs what its restart cost at its first step."""
+    stops. A resumed job (`restarts` > 0) logs what its restart cost at its first step."""
 
-    def __init__(self, directory, monitor, tracker, laps, previous=None, resumed=None):
+    def __init__(self, directory, monitor, tracker, laps, previous=None, restarts=0):
         super().__init__()
         self.monitor, self.tracker, self.laps = monitor, tracker, laps
-        self.previous, self.resumed = previous, resumed  # read_record() before this job's first step; the checkpoint
+        self.previous, self.restarts = previous, restarts  # read_record() before this job's first step
+        self.resumed_step = self.global_step()  # the monitor starts where the checkpoint left off
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._fd = os.open(Path(directory, RECORD), os.O_WRONLY | os.O_CREAT, 0o644)
         self.cost = None
 
+    def global_step(self):
+        return self.monitor.position.global_step(self.monitor.steps_per_epoch)
+
     def mark(self):
-        step = self.monitor.position.global_step(self.monitor.steps_per_epoch)
-        os.pwrite(self._fd, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
+        os.pwrite(self._fd, f"{self.global_step():12d} {time.time():20.6f}\n".encode(), 0)
 
     def on_train_step_end(self, run_context):
-        if self.cost is None and self.resumed:  # the monitor, before this, timed the first step
-            self.cost = restart_cost(self.previous, self.resumed, self.laps,
-                                     self.resumed["position"].global_step(self.monitor.steps_per_epoch))
-            log.info("restart %d: %d steps lost, %.1f s from the stop to this step (%s)", self.cost["restarts"],
+        if self.cost is None and self.restarts:  # the monitor, before this, timed the first step
+            self.cost = restart_cost(self.previous, self.restarts, self.laps, self.resumed_step)
+            log.info("restart %d: %d steps lost, %.1f s from the stop to this step (%s)", self.restarts,
                      self.cost["restart_steps_lost"], self.cost["restart_total_s"],
                      ", ".join(f"{k[len('restart_'):-2]} {v:.1f}" for k, v in self.cost.items() if k.endswith("_s")
                                and k != "restart_total_s"))
-            self.tracker.log_metrics(self.cost, step=self.monitor.position.global_step(self.monitor.steps_per_epoch))
+            self.tracker.log_metrics(self.cost, step=self.global_step())
         self.mark()
 
 
-def restart_cost(previous, resumed, laps, resumed_step):
-    """The metrics of one restart (see the module's docstring). `previous` is the record of the stopped job
-    (None if it never finished a step), `resumed_step` the global step of the checkpoint resumed from."""
-    cost = {"restarts": resumed.get("restarts", 0) + 1,
+def restart_cost(previous, restarts, laps, resumed_step):
+    """The metrics of restart number `restarts` (see the module's docstring). `previous` is the record of the
+    stopped job (None if it never finished a step), `resumed_step` the global step of the checkpoint resumed
+    from."""
+    cost = {"restarts": restarts,
             "restart_steps_lost": max(0, previous[0] - resumed_step) if previous else 0}
     parts = {}
     if previous:

@@ -333,9 +333,9 @@ def test_restart_cost_is_the_steps_lost_and_phases_that_add_up():
     laps = restarts.Laps()
     laps.started_wall = 1000.0
     laps.laps = {"join": 4.0, "setup": 0.5, "checkpoint": 0.1, "compile": 0.6, "first_step": 0.05}
-    cost = restarts.restart_cost((300, 990.0), {"restarts": 2}, laps, resumed_step=290)
+    cost = restarts.restart_cost((300, 990.0), 3, laps, resumed_step=290)
     assert cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
     parts = sum(v for k, v in cost.items() if k.endswith("_s") and k != "restart_total_s")
     assert cost["restart_total_s"] == pytest.approx(parts) == pytest.approx(10.0 + 5.25)
-    first = restarts.restart_cost(None, {}, laps, resumed_step=0)  # no record: nothing to measure from
+    first = restarts.restart_cost(None, 1, laps, resumed_step=0)  # no record: nothing to measure from
     assert first["restarts"] == 1 and first["restart_steps_lost"] == 0 and "restart_total_s" not in first
