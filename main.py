@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             train(job, trainer, shards, test_ds, [c for c in (progress, saver, record) if c], start)
             if saver:
                 saver.wait()
-        return report(job, net, trainer, test_ds, splits[1][0], progress, tracker, node_monitor, saver,
+        return report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, saver,
                       {"started": laps.started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start,
                        "startup_phases_s": laps.laps})
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
@@ -147,8 +147,7 @@ def join_job(job):
 
 def get_data(job):
     """The train and test splits on every rank, fetched by one worker per node (nodes need not share a file
-    system) while the others wait; rank 0 draws the sample grid. Returns the splits and where each file came
-    from."""
+    system) while the others wait. Returns the splits and where each file came from."""
     cfg, collective = job.cfg, job.collective
     sources = {}
     if collective.is_local_main:
@@ -156,8 +155,6 @@ def get_data(job):
     collective.barrier()
     splits = data.load_split(cfg.data_dir, "train"), data.load_split(cfg.data_dir, "t10k")
     settings.check_against_data(cfg, collective.world_size, len(splits[0][1]), len(splits[1][1]))  # every rank alike
-    if collective.is_main:
-        plots.save_sample_grid(*splits[0], cfg.output_dir / "samples.png", cfg.seed)
     return splits, sources
 
 
@@ -238,7 +235,6 @@ def start_tracking(job, resumed, splits, sources):
                                           resumed and resumed["mlflow_run_id"],
                                           tracking.dataset_inputs(splits, job.checksums, sources),
                                           tracking.node_name())
-        tracker.log_artifact(cfg.output_dir / "samples.png")
     return tracker, tracking.watch_node(collective, tracker, collective.world_size, job.local_workers)
 
 
@@ -274,10 +270,12 @@ def stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor
     return status
 
 
-def report(job, net, trainer, test_ds, test_images, progress, tracker, node_monitor, saver, timing):
+def report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, saver, timing):
     """The job's results, measured on every rank and written by rank 0: summary.json, the final model as a
-    checkpoint, as MindIR and as the run's MLflow model, and the PNGs. Exit 1 if the replicas diverged."""
+    checkpoint, as MindIR and as the run's MLflow model, and the PNGs (drawn here, off the way to the first
+    step). Exit 1 if the replicas diverged."""
     cfg, collective = job.cfg, job.collective
+    test_images = splits[1][0]
     if progress.confusion is None:  # every epoch was done before this run: evaluate the final model once
         progress.confusion = trainer.eval(test_ds, dataset_sink_mode=False)["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
@@ -314,7 +312,8 @@ def report(job, net, trainer, test_ds, test_images, progress, tracker, node_moni
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
         "epoch_history": history,
     }
-    outputs = {"model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
+    outputs = {"samples.png": lambda path: plots.save_sample_grid(*splits[0], path, cfg.seed),
+               "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
                "model.mindir": lambda path: serving.export_mindir(net, path),
                "training_curves.png": lambda path: plots.save_training_curves(progress.loss_points, history, path),
                "confusion_matrix.png": lambda path: plots.save_confusion_matrix(progress.confusion, path),

@@ -34,13 +34,19 @@ GZIP_MAGIC = b"\x1f\x8b"
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
 
 
+def content(raw, name="IDX data"):
+    """The IDX bytes of a file, gzipped or not."""
+    if raw[:2] != GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
+
+
 def parse_idx(raw, name="IDX data"):
     """Decode an IDX file of unsigned bytes (gzipped or not) into an array; reject anything malformed."""
-    if raw[:2] == GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
+    raw = content(raw, name)
     if len(raw) < 8:
         raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
     magic = int.from_bytes(raw[:4], "big")
@@ -77,8 +83,9 @@ def load_checksums(path):
 
 def check_file(raw, name, expected_sha256):
     """Raise ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
+    raw = content(raw, name)  # once: a gzipped file's checksum is its content's
     parse_idx(raw, name)
-    actual = hashlib.sha256(gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).hexdigest()
+    actual = hashlib.sha256(raw).hexdigest()
     if actual != expected_sha256:
         raise ValueError(f"{name}: SHA-256 of the content is {actual}, expected {expected_sha256}")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mindspore.train import Callback
 
+from . import common
 from .common import log
 
 RECORD = "last-step"  # in the checkpoint directory
@@ -71,14 +72,20 @@ class StepRecord(Callback):
         self.previous, self.restarts = previous, restarts  # read_record() before this job's first step
         self.resumed_step = self.global_step()  # the monitor starts where the checkpoint left off
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(Path(directory, RECORD), os.O_WRONLY | os.O_CREAT, 0o644)
+        self.path = Path(directory, RECORD)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         self.cost = None
 
     def global_step(self):
         return self.monitor.position.global_step(self.monitor.steps_per_epoch)
 
     def mark(self):
-        os.pwrite(self._fd, f"{self.global_step():12d} {time.time():20.6f}\n".encode(), 0)
+        try:
+            os.pwrite(self._fd, f"{self.global_step():12d} {time.time():20.6f}\n".encode(), 0)
+        except OSError as exc:  # the first write takes a block: the volume may be full by then
+            if common.no_space(exc):
+                raise common.DiskFull(self.path, exc) from None
+            raise
 
     def on_train_step_end(self, run_context):
         if self.cost is None and self.restarts:  # the monitor, before this, timed the first step

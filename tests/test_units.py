@@ -2,6 +2,7 @@
 
 import gzip
 import re
+import subprocess
 import types
 
 import numpy as np
@@ -339,3 +340,20 @@ def test_restart_cost_is_the_steps_lost_and_phases_that_add_up():
     assert cost["restart_total_s"] == pytest.approx(parts) == pytest.approx(10.0 + 5.25)
     first = restarts.restart_cost(None, 1, laps, resumed_step=0)  # no record: nothing to measure from
     assert first["restarts"] == 1 and first["restart_steps_lost"] == 0 and "restart_total_s" not in first
+
+
+def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
+    """The record's first write takes a block: on a full volume that is the job's exit 4, not a traceback."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(volume)], check=True)
+    try:
+        with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
+            while True:
+                filler.write(b"\0" * 4096)
+        progress = types.SimpleNamespace(position=checkpoints.Position(0, 0), steps_per_epoch=10)
+        record = restarts.StepRecord(volume / "checkpoints", progress, None, restarts.Laps())
+        with pytest.raises(common.DiskFull, match=r"no space left on the device of .*/checkpoints/last-step"):
+            record.mark()
+    finally:
+        subprocess.run(["umount", "--lazy", str(volume)], check=False)
