@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return common.EXIT_DISK_FULL
     tracker, node_monitor = start_tracking(job, resumed, splits, sources)
+    laps("tracking")
     progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, shards.steps_per_epoch,
                                        cfg.batch_size * collective.world_size, cfg.log_interval, laps, resumed,
                                        len(data.CLASS_NAMES), cfg.divergence_check == "on")

@@ -30,6 +30,7 @@ MLFLOW_FINISH_TIMEOUT_S = 60
 PENDING_FILE = "mlflow-pending.jsonl"  # in the output directory: what the server did not take before the end
 BUFFER_LIMIT = 100_000  # metric values and operations held in memory while the server is away; older ones: on disk
 RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)  # between attempts while the server is away; then every 30 s
+MLFLOW_START_WAIT_S = 15  # what training waits for the run to exist (a server that does not answer)
 MLFLOW_STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
 SERVING_EXAMPLE_IMAGES = 4  # test images stored with the MLflow model as its input example
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -291,10 +292,11 @@ class Backlog:
 class MlflowTracker(NullTracker):
     """The job's one MLflow run, driven from rank 0 by a background thread.
 
-    Training never waits for tracking: every request happens on the thread, in the order the job made them, and
-    metrics queued between two requests go out as one batch. When the server cannot be reached (down at start,
-    restarted, a network blip), the operations wait in a Backlog and the thread retries with backoff; when the
-    server answers again they go out in order, and nothing is lost. The backlog keeps BUFFER_LIMIT metric
+    Training waits for tracking only at its start, for the run's creation (start_tracking, MLFLOW_START_WAIT_S
+    at most); every request happens on the thread, in the order the job made them, and metrics queued between
+    two requests go out as one batch. When the server cannot be reached (down at start, restarted, a network
+    blip), the operations wait in a Backlog and the thread retries with backoff; when the server answers again
+    they go out in order, and nothing is lost. The backlog keeps BUFFER_LIMIT metric
     values and operations in memory, and the older ones beyond that in PENDING_FILE. finish() waits a bounded
     time; then what was not sent goes to PENDING_FILE in the output directory, with one line saying so, and the
     next start there (or `python -m fmnist.tracking OUTPUT_DIR`) sends it first, the run's final status last.
@@ -477,8 +479,13 @@ def start_tracking(cfg, resolved, resume_run_id, datasets, node):
     tags = {"device": resolved["device"], "world_size": str(resolved["world_size"]), "job_version": common.JOB_VERSION}
     if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
         tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
-    return MlflowTracker(cfg.experiment, cfg.run_name, params, tags, cfg.output_dir, resume_run_id=resume_run_id,
-                         datasets=datasets, node=node, finish_timeout=cfg.tracking_wait)
+    tracker = MlflowTracker(cfg.experiment, cfg.run_name, params, tags, cfg.output_dir, resume_run_id=resume_run_id,
+                            datasets=datasets, node=node, finish_timeout=cfg.tracking_wait)
+    # Training starts once the run exists, or the server failed to answer once, or MLFLOW_START_WAIT_S passed:
+    # MLflow's import and the run's creation take seconds of CPU (a new database's set-up among them), which
+    # during the first epoch shared its core and interpreter and slowed it by a quarter or more.
+    tracker.run_id_within(MLFLOW_START_WAIT_S)
+    return tracker
 
 
 def dataset_inputs(splits, checksums, sources):

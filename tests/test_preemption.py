@@ -14,7 +14,7 @@ from conftest import ROOT, job_env, read_summary, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 EVERY = 10  # --checkpoint-steps
-PARTS = ("down", "startup", "join", "setup", "checkpoint", "compile", "first_step")
+PARTS = ("down", "startup", "join", "setup", "checkpoint", "compile", "tracking", "first_step")
 
 
 def job_args(data_dir, *extra):
