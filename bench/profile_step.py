@@ -1,7 +1,8 @@
 """Where one training step goes: the job's LeNet step (MindSpore, graph mode, Model's TrainOneStepCell) in one
-process on one thread, batch 64, its oneDNN primitives timed by oneDNN itself (ONEDNN_VERBOSE=profile_exec),
-and the rest of the step (MindSpore's own kernels, the runtime, Python) as the remainder. With --torch, the
-same step of the PyTorch peer (bench/peer_torch.py's LeNet, SGD) under torch.profiler, run by the peer's venv.
+process on one thread, batch 64, timed per kernel by MindSpore's profiler (every operator, MindSpore's own
+and oneDNN's), and its oneDNN primitives by oneDNN itself (ONEDNN_VERBOSE=profile_exec), which names the
+implementation each one runs. With --torch, the same step of the PyTorch peer (bench/peer_torch.py's LeNet,
+SGD) under torch.profiler, run by the peer's venv.
 
     python bench/profile_step.py                                   # MindSpore, this venv
     .venv-peer/bin/python bench/profile_step.py --torch            # PyTorch, the peer's venv
@@ -9,9 +10,12 @@ same step of the PyTorch peer (bench/peer_torch.py's LeNet, SGD) under torch.pro
 
 import argparse
 import collections
+import csv
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +30,7 @@ def batches(count=8, seed=0):
     return [(rng.random((BATCH, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, BATCH)) for _ in range(count)]
 
 
-def mindspore_step(steps):
+def mindspore_step(steps, before_timing=None):
     """Seconds per step, timed over `steps` steps after a warm-up, of the job's own training step."""
     sys.path.insert(0, str(ROOT))
     import mindspore as ms  # pylint: disable=import-outside-toplevel
@@ -46,13 +50,32 @@ def mindspore_step(steps):
     step = trainer.train_network
     step.set_train()
     inputs = [(Tensor(x), Tensor(data.one_hot(y))) for x, y in batches()]
-    return timed(lambda i: step(*inputs[i % len(inputs)]), lambda out: out.asnumpy(), steps)
+    return timed(lambda i: step(*inputs[i % len(inputs)]), lambda out: out.asnumpy(), steps,
+                 before_timing=before_timing)
 
 
-def timed(step, sync, steps, warmup=30):
+def profiled(steps):
+    """{operator type: ms per step} of mindspore_step's steps under MindSpore's profiler."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    with tempfile.TemporaryDirectory() as output:
+        profiler = {}
+
+        def start():
+            profiler["on"] = ms.Profiler(output_path=output)
+
+        mindspore_step(steps, before_timing=start)
+        profiler["on"].analyse()
+        table = next(Path(output).rglob("cpu_op_type_info_*.csv"))
+        with open(table, newline="") as rows:
+            return {row["op_type"]: float(row["total_compute_time"]) / steps for row in csv.DictReader(rows)}
+
+
+def timed(step, sync, steps, warmup=30, before_timing=None):
     for i in range(warmup):
         out = step(i)
     sync(out)
+    if before_timing:
+        before_timing()
     started = time.perf_counter()
     for i in range(steps):
         out = step(i)
@@ -112,6 +135,7 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--torch", action="store_true", help="profile the PyTorch peer's step instead")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--profiler-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(f"step_s {mindspore_step(args.child)}", flush=True)
@@ -123,14 +147,22 @@ def main():
         for name, ms in rows[:20]:
             print(f"  {ms:7.3f} ms  {name}")
         return
+    if args.profiler_child:
+        print(json.dumps(profiled(args.profiler_child)), flush=True)
+        return
     plain_s = mindspore_step(args.steps)
+    operators = json.loads(subprocess.run([sys.executable, __file__, "--profiler-child", str(args.steps)],
+                                          env={**os.environ, "GLOG_v": "3"}, capture_output=True, text=True,
+                                          check=True).stdout.splitlines()[-1])
     breakdown, verbose_s = onednn_breakdown(args.steps)
-    print(f"MindSpore, one thread, batch {BATCH}: {plain_s * 1000:.2f} ms per step ({BATCH / plain_s:,.0f} samples/s); "
-          f"{verbose_s * 1000:.2f} ms with oneDNN's timing on")
+    print(f"MindSpore, one thread, batch {BATCH}: {plain_s * 1000:.2f} ms per step ({BATCH / plain_s:,.0f} samples/s)")
+    print("  by operator, MindSpore's profiler (its own timing inflates the kernels a little):")
+    for name, ms in sorted(operators.items(), key=lambda item: -item[1]):
+        print(f"  {ms:7.3f} ms  {name}")
+    print(f"  {plain_s * 1000 - sum(operators.values()):7.3f} ms  between the kernels: the runtime, Python")
+    print(f"  oneDNN's primitives, timed by oneDNN ({verbose_s * 1000:.2f} ms per step with its timing on):")
     for (kind, impl, direction), ms in sorted(breakdown.items(), key=lambda item: -item[1]):
         print(f"  {ms:7.3f} ms  {kind} {direction} ({impl})")
-    print(f"  {plain_s * 1000 - sum(breakdown.values()):7.3f} ms  outside oneDNN: MindSpore's own kernels, "
-          "the runtime, Python")
 
 
 if __name__ == "__main__":
