@@ -13,7 +13,7 @@ Logged once per restart, at the first step after it (the MLflow step is the glob
     restart_setup_s             ... the data and the network
     restart_checkpoint_s        ... loading the checkpoint, and every rank agreeing on it
     restart_compile_s           ... compiling the training step
-    restart_tracking_s          ... starting MLflow tracking (its import; the run is created on its thread)
+    restart_tracking_s          ... starting MLflow tracking: its import and the run's creation
     restart_first_step_s        ... the first step
 """
 
