@@ -298,8 +298,9 @@ class MlflowTracker(NullTracker):
     blip), the operations wait in a Backlog and the thread retries with backoff; when the server answers again
     they go out in order, and nothing is lost. The backlog keeps BUFFER_LIMIT metric values and operations in
     memory, and the older ones beyond that in PENDING_FILE. finish() waits a bounded time; then what was not
-    sent goes to PENDING_FILE in the output directory, with one line saying so, and the next start there (or `python -m fmnist.tracking OUTPUT_DIR`) sends it first, the run's final status last.
-    A request the server refuses (4xx) is not retried: it is counted as not logged.
+    sent goes to PENDING_FILE in the output directory, with one line saying so, and the next start there (or
+    `python -m fmnist.tracking OUTPUT_DIR`) sends it first, the run's final status last. A request the server
+    refuses (4xx) is not retried: it is counted as not logged.
 
     The run carries MLflow's own system tags (its context providers: user, source, git commit, resolved in the
     job's process), the datasets, this node's system metrics and, at the end, the model as an MLflow model.
