@@ -151,8 +151,8 @@ stopped_worker() {
 
 without_launcher_traceback() {
   # msrun ends a failed job with a Python traceback of its own ("RuntimeError: Distributed job exited with
-  # exception. Please check logs"), which says nothing report_failure does not say better; every other line,
-  # and every other traceback, passes at once, line by line. Ctrl-C is for run.sh alone (it would break
+  # exception. Please check logs"), which says nothing report_failure does not say better; every other line
+  # (but INFO lines under GLOG_v 2 or 3), and every other traceback, passes at once, line by line. Ctrl-C is for run.sh alone (it would break
   # msrun's pipe).
   trap '' INT
   local line held=()
@@ -163,6 +163,10 @@ without_launcher_traceback() {
       held+=("$line")
     elif ((${#held[@]})) && [[ "$line" == "RuntimeError: Distributed job exited with exception"* ]]; then
       held=()
+    elif [[ "$line" == "[INFO] "* ]] && ((GLOG_v > 1)); then
+      # MindSpore's RPC threads started as a worker leaves its cluster log at INFO whatever GLOG_v says
+      # ("Event base dispatch success!"); the worker's log file keeps them.
+      continue
     else
       if ((${#held[@]})); then printf '%s\n' "${held[@]}"; fi
       printf '%s\n' "$line"
