@@ -152,8 +152,8 @@ stopped_worker() {
 without_launcher_traceback() {
   # msrun ends a failed job with a Python traceback of its own ("RuntimeError: Distributed job exited with
   # exception. Please check logs"), which says nothing report_failure does not say better; every other line
-  # (but INFO lines under GLOG_v 2 or 3), and every other traceback, passes at once, line by line. Ctrl-C is for run.sh alone (it would break
-  # msrun's pipe).
+  # (but INFO lines under GLOG_v 2 or 3), and every other traceback, passes at once, line by line. Ctrl-C is
+  # for run.sh alone (it would break msrun's pipe).
   trap '' INT
   local line held=()
   while IFS= read -r line || [[ -n "$line" ]]; do

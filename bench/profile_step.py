@@ -58,13 +58,9 @@ def profiled(steps):
     """{operator type: ms per step} of mindspore_step's steps under MindSpore's profiler."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     with tempfile.TemporaryDirectory() as output:
-        profiler = {}
-
-        def start():
-            profiler["on"] = ms.Profiler(output_path=output)
-
-        mindspore_step(steps, before_timing=start)
-        profiler["on"].analyse()
+        profilers = []  # started after the warm-up, so that it sees the timed steps alone
+        mindspore_step(steps, before_timing=lambda: profilers.append(ms.Profiler(output_path=output)))
+        profilers[0].analyse()
         table = next(Path(output).rglob("cpu_op_type_info_*.csv"))
         with open(table, newline="") as rows:
             return {row["op_type"]: float(row["total_compute_time"]) / steps for row in csv.DictReader(rows)}

@@ -43,12 +43,22 @@ def atomic_path(path, suffix=""):
     one (MindSpore's checkpoint and MindIR writers); the random part is letters and digits."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
+    with space_for(path):
+        try:
+            yield tmp
+            os.replace(tmp, path)
+        except BaseException:
+            for leftover in tmp.parent.glob(f"{tmp.stem}*"):  # the writer's own temporaries too (MindSpore's .tmp)
+                leftover.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def space_for(path):
+    """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4; the rest passes."""
     try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as exc:
-        for leftover in tmp.parent.glob(f"{tmp.stem}*"):  # the writer's own temporaries too (MindSpore's .tmp)
-            leftover.unlink(missing_ok=True)
+        yield
+    except OSError as exc:
         if no_space(exc):
             raise DiskFull(path, exc) from None
         raise
@@ -104,15 +114,11 @@ def lock_output_dir(output_dir):
         holder = lock.read().strip() or "another job"
         lock.close()
         raise UsageError(in_use(output_dir, holder)) from None
-    try:
+    with space_for(output_dir / ".lock"):
         lock.truncate(0)
         lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
         lock.flush()
-    except OSError as exc:
-        if no_space(exc):
-            raise DiskFull(output_dir / ".lock", exc) from None
-        raise
     return lock
 
 

@@ -81,12 +81,8 @@ class StepRecord(Callback):
         return self.monitor.position.global_step(self.monitor.steps_per_epoch)
 
     def mark(self):
-        try:
+        with common.space_for(self.path):  # the first write takes a block: the volume may be full by then
             os.pwrite(self._fd, f"{self.global_step():12d} {time.time():20.6f}\n".encode(), 0)
-        except OSError as exc:  # the first write takes a block: the volume may be full by then
-            if common.no_space(exc):
-                raise common.DiskFull(self.path, exc) from None
-            raise
 
     def on_train_step_end(self, run_context):
         if self.cost is None and self.restarts:  # the monitor, before this, timed the first step

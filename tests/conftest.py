@@ -116,6 +116,17 @@ def run_sh(cwd, args, timeout=300, **env):
     return result
 
 
+@contextlib.contextmanager
+def small_volume(path, size):
+    """A tmpfs of `size` at `path`, unmounted afterwards."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
 def no_traceback(result, log_dir):
     """Whether no traceback shows on the console or in any log of `log_dir`."""
     texts = {"console": result.console, **{p.name: p.read_text(errors="replace") for p in Path(log_dir).glob("*.log")}}

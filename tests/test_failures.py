@@ -13,21 +13,10 @@ import time
 import pytest
 
 from fmnist import common
-from conftest import (ROOT, alive, job_env, no_traceback, read_summary, run_sh, serve, tiny_args, wait_for,
-                      worker_pids)
+from conftest import (ROOT, alive, job_env, no_traceback, read_summary, run_sh, serve, small_volume, tiny_args,
+                      wait_for, worker_pids)
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@contextlib.contextmanager
-def small_volume(path, size):
-    """A tmpfs of `size` at `path`, unmounted afterwards."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def mlflow_runs(cwd):

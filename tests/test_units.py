@@ -2,7 +2,6 @@
 
 import gzip
 import re
-import subprocess
 import types
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 import main
 from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, restarts, settings,
                     tracking)
-from conftest import ROOT, idx_bytes, make_split
+from conftest import ROOT, idx_bytes, make_split, small_volume
 
 
 def test_parse_idx_reads_plain_and_gzipped():
@@ -344,10 +343,7 @@ def test_restart_cost_is_the_steps_lost_and_phases_that_add_up():
 
 def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
     """The record's first write takes a block: on a full volume that is the job's exit 4, not a traceback."""
-    volume = tmp_path / "volume"
-    volume.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(volume)], check=True)
-    try:
+    with small_volume(tmp_path / "volume", "64k") as volume:
         with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
             while True:
                 filler.write(b"\0" * 4096)
@@ -355,5 +351,3 @@ def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
         record = restarts.StepRecord(volume / "checkpoints", progress, None, restarts.Laps())
         with pytest.raises(common.DiskFull, match=r"no space left on the device of .*/checkpoints/last-step"):
             record.mark()
-    finally:
-        subprocess.run(["umount", "--lazy", str(volume)], check=False)
