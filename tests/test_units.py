@@ -1,7 +1,9 @@
 """Unit tests of main.py's pure helpers, on small arrays and IDX files made here."""
 
 import gzip
+import os
 import re
+import threading
 import types
 
 import numpy as np
@@ -206,6 +208,32 @@ def test_workers_get_disjoint_shares_of_the_cores():
     assert [device.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
     assert [device.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
     assert device.worker_cores([5], 0, 1) == [5]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell bound from unbound")
+def test_binding_holds_the_caller_and_its_later_threads_and_leaves_running_threads_free():
+    everywhere, core = os.sched_getaffinity(0), min(os.sched_getaffinity(0))
+    release, seen = threading.Event(), {}
+
+    def affinity_of_a_thread_started_here():
+        thread = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+
+    def worker():  # stands for the main thread of a worker, which init() has given its collective's threads
+        device.bind_to_cores({core})
+        seen["caller"] = os.sched_getaffinity(0)
+        affinity_of_a_thread_started_here()
+        seen["running"] = os.sched_getaffinity(running.native_id)
+        release.set()
+
+    running = threading.Thread(target=release.wait)  # stands for a collective thread started by init()
+    running.start()
+    caller = threading.Thread(target=worker)
+    caller.start()
+    caller.join()
+    running.join()
+    assert seen == {"caller": {core}, "later": {core}, "running": everywhere}
 
 
 def test_usable_cores_follow_the_cgroup_quota(monkeypatch, tmp_path):
