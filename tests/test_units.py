@@ -215,15 +215,12 @@ def test_binding_holds_the_caller_and_its_later_threads_and_leaves_running_threa
     everywhere, core = os.sched_getaffinity(0), min(os.sched_getaffinity(0))
     release, seen = threading.Event(), {}
 
-    def affinity_of_a_thread_started_here():
-        thread = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
-        thread.start()
-        thread.join()
-
     def worker():  # stands for the main thread of a worker, which init() has given its collective's threads
         device.bind_to_cores({core})
         seen["caller"] = os.sched_getaffinity(0)
-        affinity_of_a_thread_started_here()
+        later = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
+        later.start()
+        later.join()
         seen["running"] = os.sched_getaffinity(running.native_id)
         release.set()
 
