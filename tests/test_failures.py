@@ -1,5 +1,6 @@
 """Failures that must end a job cleanly, through run.sh with 2 workers: a full volume wherever the job writes
-(exit 4), a training that stopped learning (exit 3), a worker frozen by SIGSTOP (the job ends, naming it).
+(exit 4), a training that stopped learning (exit 3), a worker frozen by SIGSTOP (msrun's scheduler
+ends the job, run.sh names it).
 Real processes, real signals, real tmpfs volumes (the tests run as root)."""
 
 import contextlib
@@ -116,7 +117,7 @@ def test_a_frozen_worker_ends_the_job_and_is_named(longer_data, tmp_path):
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
         _, stderr = job.communicate(timeout=120)
-        print(f"the job ended {time.monotonic() - stopped:.1f} s after worker 1 was stopped")
+        ended_after = time.monotonic() - stopped
         outlived = [pid for pid in workers if alive(pid)]  # before the clean-up below ends them anyway
     finally:
         if job.poll() is None:
@@ -124,6 +125,8 @@ def test_a_frozen_worker_ends_the_job_and_is_named(longer_data, tmp_path):
         for pid in worker_pids(logs):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert job.returncode == 128 + signal.SIGSTOP, stderr[-3000:]
-    assert re.search(rf"worker_1\.log, process {workers[1]} was stopped \(SIGSTOP, or a debugger\)", stderr), stderr
+    assert job.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert "rank 1 stopped answering for 5 s (frozen, stopped, or its node lost)" in stderr, stderr[-3000:]
+    # MS_NODE_TIMEOUT (5 s, run.sh) and a heartbeat a second: about 11 s here; msrun's default took 40.
+    assert ended_after < 30, ended_after
     assert outlived == []

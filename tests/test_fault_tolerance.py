@@ -51,8 +51,8 @@ def killed_then_resumed(longer_data, tmp_path_factory):
 
 def test_killed_worker_ends_the_job_fast_and_run_sh_says_which(killed_then_resumed):
     _, first, _ = killed_then_resumed
-    assert first["status"] != 0
-    assert first["failed_after"] < 60, first["failed_after"]
+    assert first["status"] == 137, first["stderr"][-3000:]  # the worker's own: 128 + SIGKILL
+    assert first["failed_after"] < 20, first["failed_after"]  # msrun's scheduler, MS_NODE_TIMEOUT 5 s
     assert re.search(r"worker_1\.log, process \d+ was killed by SIGKILL", first["stderr"]), first["stderr"][-3000:]
     assert first["checkpoints"] == ["epoch-0001.ckpt"]  # epoch 2 never finished
 
