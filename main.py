@@ -35,12 +35,12 @@ import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.train import Model
 
-from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, plots,
-                    restarts, serving, settings, tracking)
+from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, plots, serving,
+                    settings, tracking)
 from fmnist.common import log
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Job:
     """The settings, what this worker resolved from them, and its place in the msrun job."""
 
@@ -49,11 +49,11 @@ class Job:
     device: str
     amp_level: str
     loss_scaling: str
-    isa_cap: str = None
-    cpu: dict = None  # the CPU model and the ISA flags that decide oneDNN's kernels
-    collective: distributed.Collective = None
-    local_workers: int = 1
-    threads: int = 0
+    isa_cap: str  # oneDNN's instruction-set cap on x86-64 CPUs, else None
+    cpu: dict  # the CPU model and the ISA flags that decide oneDNN's kernels
+    collective: distributed.Collective
+    local_workers: int
+    threads: int
 
     @property
     def resolved(self):
@@ -63,18 +63,18 @@ class Job:
 
 
 def main(argv=None) -> int:
-    laps = restarts.Laps()  # the phases before the first step (and a restart's cost), timed as they end
+    laps = monitor.Laps()  # the phases before the first step, timed as they end
     try:
-        job = read_settings(argv)
+        cfg = settings.parse_config(argv)
+        job = join_job(cfg, fetch.load_checksums(cfg.checksums_file))
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
-    join_job(job)
     laps("join")
-    cfg, collective = job.cfg, job.collective
+    collective = job.collective
     try:
-        # Held until this process ends, however it ends: the kernel drops the lock with the last descriptor.
-        output_lock = common.lock_output_dir(cfg.output_dir) if collective.is_main else None  # noqa: F841
+        if collective.is_main:  # held until this process ends, however it ends: the kernel drops it then
+            lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}")  # noqa: F841
         splits, sources = get_data(job)
         shards, test_ds = shard(job, splits)
         test_metrics = metrics.test_metrics(collective, len(data.CLASS_NAMES))
@@ -86,64 +86,54 @@ def main(argv=None) -> int:
         laps("checkpoint")
         compile_step(trainer, shards)
         laps("compile")
+        tracker = start_tracking(job, resumed, splits, sources)
+        laps("tracking")
     except common.UsageError as exc:
         log.error("%s", exc)
         return common.EXIT_USAGE
     except common.DiskFull as exc:
         log.error("%s", exc)
         return common.EXIT_DISK_FULL
-    tracker, node_monitor = start_tracking(job, resumed, splits, sources)
-    laps("tracking")
-    progress = monitor.TrainingMonitor(collective, tracker, cfg.epochs, shards.steps_per_epoch,
-                                       cfg.batch_size * collective.world_size, cfg.log_interval, laps, resumed,
-                                       len(data.CLASS_NAMES), cfg.divergence_check == "on")
-    saver = record = None
+    progress = monitor.Progress.resumed_from(resumed, shards.steps_per_epoch)
+    training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress, cfg.batch_size * collective.world_size,
+                                       cfg.log_interval, laps, len(data.CLASS_NAMES), cfg.divergence_check == "on")
+    saver = None
     if collective.is_main:  # one writer of checkpoints
-        directory = cfg.output_dir / "checkpoints"
-        restart = resumed["restarts"] + 1 if resumed else 0  # this start's number; 0: a fresh training
-        saver = checkpoints.CheckpointSaver(directory, cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker,
-                                            current, restarts=restart)
-        record = restarts.StepRecord(directory, progress, tracker, laps, resumed and resumed["previous_step"],
-                                     restart)
+        saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints,
+                                            cfg.checkpoint_steps, progress, tracker, current, resumed)
     fit_start = time.perf_counter()
     try:
-        with progress.stop:  # SIGTERM becomes a request the ranks agree on
-            train(job, trainer, shards, test_ds, [c for c in (progress, saver, record) if c], start)
+        with training.stop:  # SIGTERM becomes a request the ranks agree on
+            train(job, trainer, shards, test_ds, [c for c in (training, saver) if c], start)
             if saver:
                 saver.wait()
-        return report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, saver,
+        return report(job, net, trainer, test_ds, splits, progress, tracker, saver,
                       {"started": laps.started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start,
                        "startup_phases_s": laps.laps})
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
-        return stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor)
+        return stop_early(job, exc, trainer, progress, saver, tracker)
 
 
-def read_settings(argv):
-    """The checked settings, and what they resolve to on this machine's device."""
-    cfg = settings.parse_config(argv)
+def join_job(cfg, checksums):
+    """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
     device_name = device.resolve_device(cfg.device)
     amp_level = settings.resolve_amp(cfg.amp, device_name)
-    return Job(cfg, fetch.load_checksums(cfg.checksums_file), device_name, amp_level,
-               settings.resolve_loss_scale(cfg.loss_scale, amp_level, device_name))
-
-
-def join_job(job):
-    """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
-    job.isa_cap = device.cap_onednn_isa() if job.device == "CPU" else None
-    job.cpu = device.cpu_description()
+    loss_scaling = settings.resolve_loss_scale(cfg.loss_scale, amp_level, device_name)
+    isa_cap = device.cap_onednn_isa() if device_name == "CPU" else None
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(job.device)
+    ms.set_device(device_name)
     rank, local_rank, world_size = distributed.init_distributed()
-    job.collective = distributed.Collective(rank, local_rank, world_size)
     common.configure_logging(rank)
-    job.local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
-    job.threads = device.set_up_worker(job.device, local_rank, job.local_workers, job.cfg.cpu_bind == "on",
-                                       job.cfg.threads)
-    ms.set_seed(job.cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
+    local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
+    threads = device.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
+    ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
+    job = Job(cfg, checksums, device_name, amp_level, loss_scaling, isa_cap, device.cpu_description(),
+              distributed.Collective(rank, local_rank, world_size), local_workers, threads)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "
-             "settings %s", rank, world_size, os.getpid(), job.device, job.amp_level, job.loss_scaling, job.threads,
-             sorted(os.sched_getaffinity(0)), job.isa_cap, json.dumps(dataclasses.asdict(job.cfg), default=str))
+             "settings %s", rank, world_size, os.getpid(), device_name, amp_level, loss_scaling, threads,
+             sorted(os.sched_getaffinity(0)), isa_cap, json.dumps(dataclasses.asdict(cfg), default=str))
+    return job
 
 
 def get_data(job):
@@ -154,17 +144,17 @@ def get_data(job):
     if collective.is_local_main:
         sources = data.make_available(cfg, job.checksums, say=log.info)
     collective.barrier()
-    splits = data.load_split(cfg.data_dir, "train"), data.load_split(cfg.data_dir, "t10k")
-    settings.check_against_data(cfg, collective.world_size, len(splits[0][1]), len(splits[1][1]))  # every rank alike
+    splits = data.load_splits(cfg.data_dir)
+    settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
     return splits, sources
 
 
 def shard(job, splits):
     """This rank's disjoint share of every training epoch, and its disjoint slice of the test set."""
     cfg, collective = job.cfg, job.collective
-    shards = data.ShardBatches(data.to_model_input(splits[0][0]), data.one_hot(splits[0][1]), cfg.batch_size,
-                               collective.rank, collective.world_size, cfg.seed)
-    return shards, data.eval_dataset(*splits[1], cfg.batch_size, collective.rank, collective.world_size)
+    shards = data.ShardBatches(data.to_model_input(splits.train.images), data.one_hot(splits.train.labels),
+                               cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
+    return shards, data.eval_dataset(splits.test, cfg.batch_size, collective.rank, collective.world_size)
 
 
 def build_model(job, test_metrics):
@@ -193,15 +183,13 @@ def build_model(job, test_metrics):
 
 def resume(job, trainer):
     """The newest good checkpoint of this same training, loaded into the network and optimizer (None with
-    --resume never or none found) with the stopped job's last finished step, this training's trajectory, which
-    its checkpoints record, and the Position every rank starts from."""
+    --resume never or none found), this training's trajectory, which its checkpoints record, and the Position
+    every rank starts from."""
     directory = job.cfg.output_dir / "checkpoints"
     current = checkpoints.trajectory(job.cfg, {**job.resolved, "data_sha256": job.checksums}, trainer.train_network)
     resumed = None
     if job.cfg.resume == "auto":
         resumed = checkpoints.load_latest_checkpoint(directory, trainer.train_network, current)
-    if resumed:
-        resumed["previous_step"] = restarts.read_record(directory)
     return resumed, current, checkpoints.agree_on_resume(job.collective, resumed, directory, job.cfg.epochs)
 
 
@@ -225,21 +213,43 @@ def train(job, trainer, shards, test_ds, callbacks, start):
 
 
 def start_tracking(job, resumed, splits, sources):
-    """Rank 0's MLflow run (continued on resume), and a system-metrics monitor on each further node."""
+    """Rank 0's tracking: the run's start in the journal, with every setting and what the job resolved as
+    parameters, MLflow's system tags and the datasets; online, the run created (or continued) before training.
+    A refused start (credentials, permissions, the URI) is bad input on every rank. On nodes after the first,
+    the first worker sends its node's system metrics to the run."""
     cfg, collective = job.cfg, job.collective
     if cfg.tracking == "off":
-        return tracking.NullTracker(), None
-    tracker = tracking.NullTracker()
+        return tracking.NullTracker()
+    tracker, refused = tracking.NullTracker(), ""
     if collective.is_main:
-        tracker = tracking.start_tracking(cfg, {**job.resolved, "onednn_isa_cap": job.isa_cap,
-                                                "cpu_model": job.cpu["model"]},
-                                          resumed and resumed["mlflow_run_id"],
-                                          tracking.dataset_inputs(splits, job.checksums, sources),
-                                          tracking.node_name())
-    return tracker, tracking.watch_node(collective, tracker, collective.world_size, job.local_workers)
+        tracker = tracking.Tracker(cfg.output_dir, cfg.tracking == "on", tracking_node(), cfg.tracking_wait)
+        params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.isa_cap,
+                  "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
+                  "mindspore_version": ms.__version__, "job_version": common.JOB_VERSION}
+        tags = {"device": job.device, "world_size": str(collective.world_size), "job_version": common.JOB_VERSION}
+        if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
+            tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
+        try:
+            tracker.start(cfg.experiment, cfg.run_name, {k: str(v) for k, v in params.items()},
+                          tracking.mlflow_tags(tags), tracking.dataset_entities(splits, job.checksums, sources),
+                          continues=resumed is not None)
+        except tracking.Refused as exc:
+            refused = str(exc)
+    if collective.all_gather(np.array([bool(refused)])).any():
+        raise common.UsageError(refused or "rank 0's MLflow run was refused")
+    if cfg.tracking == "on" and collective.world_size > job.local_workers:
+        run_id = collective.broadcast_text(tracker.run_id or "")
+        if run_id and collective.is_local_main and not collective.is_main:
+            tracking.SystemMetrics(None, tracking_node(), run_id).start()
+    return tracker
 
 
-def stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor):
+def tracking_node():
+    """This node in system-metric names: node0, node1, ... (run.sh exports NODE_RANK)."""
+    return f"node{os.environ.get('NODE_RANK', '0')}"
+
+
+def stop_early(job, exc, trainer, progress, saver, tracker):
     """The job ends without results. Divergence (exit 3) and SIGTERM or SIGINT (128 + the signal) stop every rank
     at the same step, and on SIGTERM or SIGINT rank 0 checkpoints it; a full disk (exit 4) stops rank 0, the one
     writer, whose exit ends the others."""
@@ -249,7 +259,6 @@ def stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor
         if job.collective.is_main:
             try:
                 saver.save_now(trainer.train_network, progress.position)
-                record.mark()  # the stop's time: the next start measures its restart from here
                 log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                             checkpoints.checkpoint_path(checkpoint_dir, progress.position))
             except common.DiskFull as full:
@@ -263,20 +272,18 @@ def stop_early(job, exc, trainer, progress, saver, record, tracker, node_monitor
     else:
         status, run_status = common.EXIT_DISK_FULL, "FAILED"
         log.error("%s", exc)
-    tracker.finish(run_status, timeout=tracking.MLFLOW_STOP_TIMEOUT_S)
-    if node_monitor:
-        node_monitor.finish()
+    tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
     if status != common.EXIT_DISK_FULL:  # msrun kills every worker at the first exit: let rank 0 end the run first
         job.collective.barrier()
     return status
 
 
-def report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, saver, timing):
+def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
     """The job's results, measured on every rank and written by rank 0: summary.json, the final model as a
     checkpoint, as MindIR and as the run's MLflow model, and the PNGs (drawn here, off the way to the first
     step). Exit 1 if the replicas diverged."""
     cfg, collective = job.cfg, job.collective
-    test_images = splits[1][0]
+    test_images = splits.test.images
     if progress.confusion is None:  # every epoch was done before this run: evaluate the final model once
         progress.confusion = trainer.eval(test_ds, dataset_sink_mode=False)["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
@@ -284,8 +291,6 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, 
     # What the first layers really compute in: float16 under O2 and O3 (O1 casts back after each layer).
     first_layers = next(iter(net.cells()))
     features_dtype = str(first_layers(Tensor(data.to_model_input(test_images[:2]))).dtype)
-    if node_monitor:
-        node_monitor.finish()
     if not collective.is_main:
         return 0 if identical else 1
 
@@ -293,7 +298,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, 
     ms.load_param_into_net(float32_net, net.parameters_dict())
     amp_logit_error, step_loss_scale = metrics.precision_in_step(
         trainer.train_network, float32_net, Tensor(data.to_model_input(test_images[:8])))
-    history = progress.epoch_history[:cfg.epochs]
+    history = progress.history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
@@ -313,7 +318,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, node_monitor, 
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
         "epoch_history": history,
     }
-    outputs = {"samples.png": lambda path: plots.save_sample_grid(*splits[0], path, cfg.seed),
+    outputs = {"samples.png": lambda path: plots.save_sample_grid(splits.train, path, cfg.seed),
                "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
                "model.mindir": lambda path: serving.export_mindir(net, path),
                "training_curves.png": lambda path: plots.save_training_curves(progress.loss_points, history, path),

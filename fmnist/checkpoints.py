@@ -10,6 +10,7 @@ is 16 steps into epoch 3.
 import concurrent.futures
 import dataclasses
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from .common import log
 CHECKPOINT_FORMAT = 3  # 3 adds the step within the epoch (2 is read as step 0); 2 added the settings
 READABLE_FORMATS = (2, 3)
 NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
+RECORD = "last-step"  # rank 0's newest finished step and its time, beside the checkpoints
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -35,6 +37,18 @@ class Position:
 
     def global_step(self, steps_per_epoch):
         return self.epoch * steps_per_epoch + self.step
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a job resumes from: where, how far, its figures so far, and how the stopped job ended."""
+
+    path: Path
+    position: Position
+    restarts: int  # restarts before this one
+    history: list  # the per-epoch figures of the epochs done
+    loss_points: list  # (epoch as a fraction, training loss) so far
+    last_step: tuple = None  # (global step, wall-clock time) of the stopped job's newest step, if recorded
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -91,7 +105,7 @@ def resume_conflicts(meta, current):
 
 def load_latest_checkpoint(directory, train_network, current):
     """Load the newest checkpoint that reads back whole into `train_network` (weights and optimizer state);
-    a corrupt or partial one is skipped with a warning. Returns its metadata, or None. A checkpoint of another
+    a corrupt or partial one is skipped with a warning. Returns Resumed, or None. A checkpoint of another
     training (other settings, model, world size or job version) raises UsageError naming every difference:
     continuing it with this job's settings would produce a model that no run describes."""
     for path in newest_first(directory):
@@ -111,21 +125,29 @@ def load_latest_checkpoint(directory, train_network, current):
             raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
                                     f"{missing[0]}; start fresh with --resume never")
         # Format 2 had neither the step nor the restart count: it was written at an epoch's end.
-        return {**meta, "path": str(path), "position": Position(meta["epoch"], meta.get("step", 0)),
-                "restarts": meta.get("restarts", 0)}
+        return Resumed(path, Position(meta["epoch"], meta.get("step", 0)), meta.get("restarts", 0), meta["history"],
+                       [tuple(p) for p in meta["loss_points"]], read_record(directory))
     return None
+
+
+def read_record(directory):
+    try:
+        step, when = Path(directory, RECORD).read_text().split()
+        return int(step), float(when)
+    except (OSError, ValueError):
+        return None
 
 
 def agree_on_resume(collective, resumed, directory, epochs):
     """The Position every rank resumes from (Position(): a fresh start); UsageError when the ranks found
     different checkpoints, as nodes that do not share the output directory would. A collective."""
-    start = resumed["position"] if resumed else Position()
+    start = resumed.position if resumed else Position()
     agreed = collective.all_gather([start.epoch, start.step])
     if (agreed != agreed[0]).any():
         raise common.UsageError(f"ranks found different checkpoints to resume from (epoch and step "
                                 f"{agreed.tolist()}); is {directory} shared by all nodes?")
     if resumed:
-        log.info("resuming from %s: %d of %d epochs%s done", resumed["path"], start.epoch, epochs,
+        log.info("resuming from %s: %d of %d epochs%s done", resumed.path, start.epoch, epochs,
                  f" and {start.step} steps" if start.step else "")
     return start
 
@@ -133,24 +155,31 @@ def agree_on_resume(collective, resumed, directory, epochs):
 class CheckpointSaver(Callback):
     """Rank 0's checkpoints: at each epoch's end, every `every_steps` steps (0: never mid-epoch) and, through
     save_now(), when the job stops. It keeps the newest `keep`; only one process ever writes a checkpoint file.
+    After every step it records the step and the time in RECORD (one small write in place, no fsync: it outlives
+    the process, kill -9 included), from which the next start measures what its restart cost.
 
     A save copies the parameters on the training thread (about a millisecond for LeNet and its optimizer) and
     writes them on a thread of its own, so the next steps run while the file is written. At most one write is
     in flight: a save waits for the previous one, and raises its error (a full disk) there."""
 
-    def __init__(self, directory, keep, every_steps, monitor, tracker, current, restarts=0):
+    def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
         super().__init__()
         self.directory, self.keep, self.every_steps = Path(directory), keep, every_steps
-        self.monitor, self.tracker = monitor, tracker
-        self.current, self.restarts = current, restarts  # the trajectory, checked on resume; restarts so far
+        self.progress, self.tracker, self.current = progress, tracker, current  # current: the trajectory
+        self.resumed, self.restarts = resumed, resumed.restarts + 1 if resumed else 0  # this start's number
         self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending = None
         self.save_s = []  # the training thread's share of each save, seconds
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._record = os.open(self.directory / RECORD, os.O_WRONLY | os.O_CREAT, 0o644)
 
     def on_train_step_end(self, run_context):
         if self._pending is not None and self._pending.done():
             self.wait()  # a failed write (a full disk) stops the job at the next step, not the next save
-        position, steps = self.monitor.position, self.monitor.steps_per_epoch
+        position, steps = self.progress.position, self.progress.steps_per_epoch
+        if self.restarts and self.progress.steps_done == 1:
+            self.log_restart_cost(position.global_step(steps))
+        self.mark()
         if (self.every_steps and position.step < steps  # the epoch's last step: its end's checkpoint follows
                 and position.global_step(steps) % self.every_steps == 0):
             self.save(run_context.original_args().train_network, position)
@@ -158,14 +187,30 @@ class CheckpointSaver(Callback):
     def on_train_epoch_end(self, run_context):
         self.save(run_context.original_args().train_network, Position(run_context.original_args().cur_epoch_num))
 
+    def mark(self):
+        """Record the newest finished step and the time: the next start measures its restart from here."""
+        step = self.progress.position.global_step(self.progress.steps_per_epoch)
+        with common.space_for(self.directory / RECORD):  # the first write takes a block: the volume may be full
+            os.pwrite(self._record, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
+
+    def log_restart_cost(self, step):
+        """Restart number `restarts`: the steps trained before the stop but not in the checkpoint resumed from,
+        and the seconds from the stop (its last step) to this first new step."""
+        last = self.resumed.last_step
+        resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
+        cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}
+        if last:
+            cost["restart_total_s"] = time.time() - last[1]
+        log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts,
+                 cost["restart_steps_lost"], f"{cost['restart_total_s']:.1f} s" if last else "an unknown time")
+        self.tracker.log_metrics(cost, step=step)
+
     def save(self, train_network, position):
         started = time.perf_counter()
         self.wait()
-        # run_id waits only while the run is being created, so a resumed job can continue the same run.
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "trajectory": self.current,
                 "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
-                "mlflow_run_id": self.tracker.run_id, "history": list(self.monitor.epoch_history),
-                "loss_points": list(self.monitor.loss_points)}
+                "history": list(self.progress.history), "loss_points": list(self.progress.loss_points)}
         # A copy: the optimizer updates the parameters in place while the writer works.
         snapshot = [{"name": name, "data": Tensor(param.asnumpy().copy())}
                     for name, param in train_network.parameters_dict().items()]
@@ -177,6 +222,7 @@ class CheckpointSaver(Callback):
         """A checkpoint of `position`, written before this returns: the job is about to exit."""
         self.save(train_network, position)
         self.wait()
+        self.mark()
 
     def wait(self):
         """Until the write in flight is done; raises its error."""
@@ -185,7 +231,6 @@ class CheckpointSaver(Callback):
             pending.result()
 
     def _write(self, snapshot, path, extra):
-        self.directory.mkdir(parents=True, exist_ok=True)
         save_checkpoint(snapshot, path, extra=extra)
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()

@@ -68,53 +68,41 @@ def no_space(exc):
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def write_atomic(path, data):
-    """Write bytes to `path` whole, flushed to disk before the rename."""
+def write_atomic(path, data, sync=True):
+    """Write bytes to `path` whole, flushed to disk before the rename unless `sync` is False."""
     with atomic_path(path) as tmp, open(tmp, "xb") as out:
         out.write(data)
         out.flush()
-        os.fsync(out.fileno())
+        if sync:
+            os.fsync(out.fileno())
 
 
 def write_json(path, data):
     write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
-def output_dir_holder(output_dir):
-    """Who holds `output_dir` (the text of its .lock), or None when no job does."""
-    lock = Path(output_dir) / ".lock"
-    try:
-        with open(lock, "r", encoding="utf-8") as probe:
-            try:
-                fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return None
-            except BlockingIOError:
-                return probe.read().strip() or "another job"
-    except FileNotFoundError:
-        return None
+def hold_lock(path, what, wait=False):
+    """An exclusive flock on `path`, whose text names the holder; returns the open file, which holds it.
 
-
-def lock_output_dir(output_dir):
-    """Make `output_dir` this job's: an exclusive flock on output_dir/.lock, whose text names the holder.
-
-    flock, because the kernel releases it when the holder dies however it dies (kill -9, OOM), so a restart
-    is never blocked by a stale lock; NFS clients map it onto NFS byte-range locks, which the server drops
-    when the client's lease lapses. Returns the open lock file, to be kept for the job's lifetime.
+    flock, because the kernel releases it when the holder dies however it dies (kill -9, OOM), so a restart is
+    never blocked by a stale lock; NFS clients map it onto NFS locks, which the server drops when the client's
+    lease lapses. Without `wait`, UsageError naming `what` and its holder when another process holds it.
     """
-    output_dir = Path(output_dir)
+    path = Path(path)
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        lock = os.fdopen(os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644), "r+")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until closed)
     except OSError as exc:
-        raise UsageError(f"--output-dir {output_dir}: cannot use it ({exc.strerror}); give a directory this user "
-                         "may write in") from None
+        raise UsageError(f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
+        lock.seek(0)
         holder = lock.read().strip() or "another job"
         lock.close()
-        raise UsageError(in_use(output_dir, holder)) from None
-    with space_for(output_dir / ".lock"):
+        raise UsageError(f"{what} is in use by {holder}; wait for that job to end, or give another "
+                         f"{what.split()[0] if what.startswith('--') else 'directory'}") from None
+    with space_for(path):
         lock.truncate(0)
         lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
@@ -122,5 +110,10 @@ def lock_output_dir(output_dir):
     return lock
 
 
-def in_use(output_dir, holder):
-    return f"--output-dir {output_dir} is in use by {holder}; wait for that job to end, or give another --output-dir"
+@contextlib.contextmanager
+def locked(path, what, wait=False):
+    lock = hold_lock(path, what, wait)
+    try:
+        yield
+    finally:
+        lock.close()

@@ -4,13 +4,15 @@ read, how images become the network's input, and how each rank gets its own shar
 What the rest of the job relies on:
     CLASS_NAMES                 the label of each class index
     make_available(cfg, ...)    the files in cfg.data_dir, on one worker per node; returns where each came from
-    load_split(dir, split)      (images uint8 [N, H, W(, C)], labels int [N]) of "train" or "t10k"
+    load_splits(dir)            Splits: the train and test Split, each images uint8 [N, H, W(, C)] and
+                                integer labels [N]
     to_model_input(images)      float32 [N, C, H, W], the network's input (training and serving alike)
     ShardBatches, train_dataset, eval_dataset
                                 this rank's batches of (input, one-hot label), for Model.fit
 """
 
 import copy
+import dataclasses
 
 import numpy as np
 
@@ -29,8 +31,24 @@ def make_available(cfg, checksums, say):
                              deadline=cfg.download_deadline)
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    images: np.ndarray  # uint8 [N, H, W] or [N, H, W, C]
+    labels: np.ndarray  # integer class indices [N]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    train: Split
+    test: Split
+
+
+def load_splits(data_dir):
+    """The train and t10k splits of verified IDX files in `data_dir`."""
+    return Splits(load_split(data_dir, "train"), load_split(data_dir, "t10k"))
+
+
 def load_split(data_dir, split):
-    """(images uint8 [N, H, W], labels uint8 [N]) of the 'train' or 't10k' split of verified IDX files."""
     try:
         images, labels = (fetch.parse_idx(fetch.local_copy(data_dir, f"{split}-{kind}").read_bytes(), kind)
                           for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
@@ -38,7 +56,7 @@ def load_split(data_dir, split):
         raise common.UsageError(f"--data-dir {data_dir}: cannot read the {split} split ({exc})") from None
     if len(images) != len(labels):
         raise common.UsageError(f"{data_dir}: {split} has {len(images)} images but {len(labels)} labels")
-    return images, labels
+    return Split(images, labels)
 
 
 def to_model_input(images):
@@ -103,12 +121,12 @@ def train_dataset(shards, epoch=0, skip=0):
                                        python_multiprocessing=False)
 
 
-def eval_dataset(images, labels, batch_size, rank, world_size):
+def eval_dataset(split, batch_size, rank, world_size):
     """Every world_size-th test sample from `rank` on, in whole batches. The framework's sampler pads shards
     to equal length by repeating samples, which would count some twice; slicing gives each sample to
     exactly one rank."""
     shard = slice(rank, None, world_size)
-    images, labels = to_model_input(images[shard]), one_hot(labels[shard])
+    images, labels = to_model_input(split.images[shard]), one_hot(split.labels[shard])
     batches = [(images[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(images), batch_size)]
     return ms.dataset.GeneratorDataset(batches, column_names=["image", "label"], shuffle=False,
                                        python_multiprocessing=False)

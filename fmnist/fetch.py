@@ -11,7 +11,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import filelock
 import numpy as np
 
 from . import common
@@ -218,7 +217,7 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
-        with filelock.FileLock(data_dir / ".lock"):
+        with common.locked(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             for name in missing:
                 sources[name] = fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say,
                                            deadline)

@@ -1,6 +1,7 @@
 """The training callback every rank runs: it measures the job's figures (the gathers are collectives), prints
 them and hands them to the tracker on rank 0, and stops every rank together on divergence or SIGTERM."""
 
+import dataclasses
 import math
 import time
 
@@ -40,33 +41,56 @@ class Diverged(Exception):
                 "again with --resume never; --divergence-check off trains on regardless")
 
 
+@dataclasses.dataclass
+class Progress:
+    """What the monitor publishes as the training goes, for the checkpoints and the report to read."""
+
+    steps_per_epoch: int
+    position: checkpoints.Position = checkpoints.Position()  # counted on from the checkpoint resumed from
+    history: list = dataclasses.field(default_factory=list)  # per-epoch figures, those before a resume included
+    loss_points: list = dataclasses.field(default_factory=list)  # (epoch as a fraction, cross-rank mean loss)
+    steps_done: int = 0  # by this process
+    confusion: object = None  # the latest validation's confusion matrix
+    skipped_steps: int = 0  # under dynamic loss scaling: steps skipped for overflowed gradients
+    first_step_s: float = None  # since main() started
+    first_step_at: float = None  # on the wall clock
+
+    @classmethod
+    def resumed_from(cls, resumed, steps_per_epoch):
+        if resumed is None:
+            return cls(steps_per_epoch)
+        return cls(steps_per_epoch, resumed.position, list(resumed.history), list(resumed.loss_points))
+
+
+class Laps:
+    """The job's phases on the way to its first step, timed as they end: laps("join") after joining, etc."""
+
+    def __init__(self):
+        self.started = self._last = time.perf_counter()
+        self.laps = {}
+
+    def __call__(self, phase):
+        now = time.perf_counter()
+        self.laps[phase], self._last = now - self._last, now
+
+
 class TrainingMonitor(Callback):
     """Measures the job's figures on every rank (the gathers are collectives), prints them on rank 0 and
     hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
     per-epoch validation loss and accuracy over the full test set."""
 
-    def __init__(self, collective, tracker, epochs, steps_per_epoch, global_batch, log_interval, laps,
-                 resumed=None, num_classes=10, check_learning=True, stop=None):
+    def __init__(self, collective, tracker, epochs, progress, global_batch, log_interval, laps, num_classes=10,
+                 check_learning=True, stop=None):
         super().__init__()
         # Losses and accuracies of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
         self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
         self.check_learning = check_learning
         self.collective, self.tracker = collective, tracker
         self.stop = stop or distributed.StopRequest()
-        self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
-        self.global_batch, self.log_interval = global_batch, log_interval
-        # Where the training is, counted on from the checkpoint resumed from.
-        self.position = resumed["position"] if resumed else checkpoints.Position()
-        self.laps = laps  # restarts.Laps: the phases since main() started
-        self.first_step_s = self.first_step_at = None  # since main() started; on the wall clock
-        # Figures of the epochs before a resume come from the checkpoint, so the record stays whole.
-        self.epoch_history = list(resumed["history"]) if resumed else []
-        # (epoch as a fraction, cross-rank mean loss) for the training-curves plot
-        self.loss_points = [tuple(p) for p in resumed["loss_points"]] if resumed else []
-        self.confusion = None
+        self.epochs, self.progress, self.steps_per_epoch = epochs, progress, progress.steps_per_epoch
+        self.global_batch, self.log_interval, self.laps = global_batch, log_interval, laps
         self._loss_sum, self._loss_steps = None, 0
-        # Under dynamic loss scaling: steps skipped for overflowed gradients, and the current scale.
-        self._overflows, self._loss_scale, self.skipped_steps = None, None, 0
+        self._overflows, self._loss_scale = None, None  # under dynamic loss scaling, read once per interval
         self._train_s = None  # set when validation starts, so training time excludes it
 
     def on_train_epoch_begin(self, run_context):
@@ -85,14 +109,16 @@ class TrainingMonitor(Callback):
         self._loss_steps += 1
         self._epoch_steps += 1
         self._interval_steps += 1
-        self.position = checkpoints.Position(cb.cur_epoch_num - 1, self.position.step % self.steps_per_epoch + 1)
-        if self.first_step_s is None:
+        progress = self.progress
+        progress.position = checkpoints.Position(cb.cur_epoch_num - 1, progress.position.step % self.steps_per_epoch + 1)
+        progress.steps_done += 1
+        if progress.first_step_s is None:
             self.laps("first_step")
-            self.first_step_s, self.first_step_at = time.perf_counter() - self.laps.started, time.time()
+            progress.first_step_s, progress.first_step_at = time.perf_counter() - self.laps.started, time.time()
             if self.collective.is_main:
-                log.info("first step done %.1f s after start (%s)", self.first_step_s,
+                log.info("first step done %.1f s after start (%s)", progress.first_step_s,
                          ", ".join(f"{phase.replace('_', ' ')} {s:.1f}" for phase, s in self.laps.laps.items()))
-        step = self.position.global_step(self.steps_per_epoch)  # counts on across a resume
+        step = progress.position.global_step(self.steps_per_epoch)  # counts on across a resume
         if step % self.log_interval == 0:
             self._report_interval(cb, step)
 
@@ -108,22 +134,23 @@ class TrainingMonitor(Callback):
             raise Diverged(f"training loss {per_rank.mean():.4g} at step {step} (epoch {cb.cur_epoch_num}), over "
                            f"{EXPLODED} times the {self.untrained_loss:.2f} of an untrained network")
         # At an epoch's last step the stop waits for the epoch's end: its validation belongs in the checkpoint.
-        if stop_signals.any() and self.position.step < self.steps_per_epoch:
+        if stop_signals.any() and self.progress.position.step < self.steps_per_epoch:
             raise distributed.Terminated(int(stop_signals.max()), step)
         now = time.perf_counter()
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
         if self.collective.is_main:
             log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
-                     self.position.step, self.steps_per_epoch, per_rank.mean(), f"{rate:,.0f}")
+                     self.progress.position.step, self.steps_per_epoch, per_rank.mean(), f"{rate:,.0f}")
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
             if self._loss_scale is not None:
-                self.skipped_steps += int(self._overflows.asnumpy())
-                metrics.update({"loss_scale": float(self._loss_scale.asnumpy()), "skipped_steps": self.skipped_steps})
+                self.progress.skipped_steps += int(self._overflows.asnumpy())
+                metrics.update({"loss_scale": float(self._loss_scale.asnumpy()),
+                                "skipped_steps": self.progress.skipped_steps})
                 self._overflows = None
             self.tracker.log_metrics(metrics, step=step)
-            self.loss_points.append((step / self.steps_per_epoch, float(per_rank.mean())))
+            self.progress.loss_points.append((step / self.steps_per_epoch, float(per_rank.mean())))
 
     def on_eval_begin(self, run_context):
         self._train_s = time.perf_counter() - self._epoch_start
@@ -138,11 +165,11 @@ class TrainingMonitor(Callback):
                    "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
         metrics = cb.get("metrics", {})
         figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
-        self.confusion = metrics.get("confusion", self.confusion)
+        self.progress.confusion = metrics.get("confusion", self.progress.confusion)
         self._train_s = None
         # The same figures on every rank; checked before this epoch's checkpoint is written.
-        self.position = checkpoints.Position(cb.cur_epoch_num)
-        steps = self.position.global_step(self.steps_per_epoch)
+        self.progress.position = checkpoints.Position(cb.cur_epoch_num)
+        steps = self.progress.position.global_step(self.steps_per_epoch)
         if not math.isfinite(figures.get("val_loss", 0.0)):
             raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} (step {steps})")
         if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
@@ -151,7 +178,7 @@ class TrainingMonitor(Callback):
             raise Diverged(f"not learning: after epoch {cb.cur_epoch_num} ({steps} steps) the validation accuracy is "
                            f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
                            f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)
-        self.epoch_history.append(figures)
+        self.progress.history.append(figures)
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
                      "val_accuracy %.4f", cb.cur_epoch_num, self.epochs, figures["train_s"],

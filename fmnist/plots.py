@@ -9,9 +9,9 @@ import numpy as np
 from . import common, data
 
 
-def save_sample_grid(images, labels, path, seed, count=10):
-    """PNG of `count` random training images with their class names."""
-    plt = pyplot()
+def save_sample_grid(split, path, seed, count=10):
+    """PNG of `count` random images of a data.Split with their class names."""
+    images, labels, plt = split.images, split.labels, pyplot()
     picks = np.random.default_rng(seed).choice(len(images), size=count, replace=False)
     cols = 5
     fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(cols * 1.6, 1.9 * math.ceil(count / cols)))

@@ -51,9 +51,10 @@ def check(argv, world_size):
         target = device.resolve_device(cfg.device)
         settings.resolve_loss_scale(cfg.loss_scale, settings.resolve_amp(cfg.amp, target), target)
     usable_dir(cfg.output_dir, "--output-dir")
-    holder = common.output_dir_holder(cfg.output_dir) if os.environ.get("NODE_RANK", "0") == "0" else None
-    if holder:  # only node 0 holds it; the other nodes of a job share the directory
-        raise common.UsageError(common.in_use(cfg.output_dir, holder))
+    lock = cfg.output_dir / ".lock"
+    if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
+        with common.locked(lock, f"--output-dir {cfg.output_dir}"):
+            pass
     counts = data_counts(cfg.data_dir, checksums)
     if counts is None:
         usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there

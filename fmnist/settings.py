@@ -38,87 +38,91 @@ def loss_scale_mode(value):
     return "must be auto, none, dynamic or a positive number"
 
 
+def setting(default, help, env="", choices=(), check=None, free_on_resume=False):  # noqa: A002 (argparse's word)
+    """A field of Config: its default, its help, its variable (the flag in capitals unless given), its choices,
+    its check (value -> what is wrong, or None), and whether a resumed training may change it. Settings free on
+    resume say where things are, how progress shows and how long to train; the others shape the training and
+    must match the checkpoint's."""
+    return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices,
+                                                         "check": check, "free_on_resume": free_on_resume})
+
+
 @dataclasses.dataclass(frozen=True)
-class Setting:
-    flag: str
-    type: type
-    default: object
-    help: str
-    env: str = ""  # the flag in capitals unless given
-    choices: tuple = ()
-    check: object = None  # value -> what is wrong with it, or None
-    # A resumed job may change it: where things are, how progress is shown, how long to train. Every other
-    # setting shapes the training and must match the checkpoint's.
-    free_on_resume: bool = False
+class Config:
+    """The settings of one job, as read and checked by parse_config(): the one table of them."""
 
-    @property
-    def name(self):
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def variable(self):
-        return self.env or self.name.upper()
-
-
-SETTINGS = (
-    Setting("--epochs", int, 10, "training epochs in total", check=positive, free_on_resume=True),
-    Setting("--batch-size", int, 64, "batch size per device; the global batch is this times the world size",
-            check=positive),
-    Setting("--lr", float, 0.1, "learning rate", check=positive),
-    Setting("--optimizer", str, "sgd", "optimizer", choices=("sgd", "momentum", "adam")),
-    Setting("--momentum", float, 0.9, "momentum, for --optimizer momentum", check=below_one),
-    Setting("--weight-decay", float, 0.0, "L2 weight decay", check=non_negative),
+    epochs: int = setting(10, "training epochs in total", check=positive, free_on_resume=True)
+    batch_size: int = setting(64, "batch size per device; the global batch is this times the world size",
+                              check=positive)
+    lr: float = setting(0.1, "learning rate", check=positive)
+    optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"))
+    momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=below_one)
+    weight_decay: float = setting(0.0, "L2 weight decay", check=non_negative)
     # amp and loss scale are free as asked for: what the job resolves them to is checked on resume instead.
-    Setting("--amp", str, "auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS,
-            free_on_resume=True),
-    Setting("--loss-scale", str, "auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed "
-            "scale; auto is dynamic for O2 on Ascend and none otherwise, as in the article", check=loss_scale_mode,
-            free_on_resume=True),
-    Setting("--device", str, "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES),
-    Setting("--seed", int, 42, "random seed; the same on every rank so all replicas start identical"),
-    Setting("--data-dir", Path, "data", "where Fashion-MNIST is, or is put", free_on_resume=True),
-    Setting("--data-mirrors", str, OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in order "
-            "after local copies; empty: never download", free_on_resume=True),
-    Setting("--checksums-file", str, "", "sha256sum-style file replacing the pinned checksums of the four IDX "
-            "files (to train on another IDX dataset)", free_on_resume=True),
-    Setting("--download-timeout", float, 30.0, "seconds without progress before a download attempt is abandoned",
-            check=positive, free_on_resume=True),
-    Setting("--download-deadline", float, 600.0, "seconds one file's download may take in all, whatever its "
-            "progress", check=positive, free_on_resume=True),
-    Setting("--output-dir", Path, "outputs", "where summary.json, PNGs and checkpoints go", free_on_resume=True),
-    Setting("--resume", str, "auto", "auto: continue from the newest good checkpoint in the output dir; never: "
-            "start fresh", choices=("auto", "never"), free_on_resume=True),
-    Setting("--checkpoint-steps", int, 0, "also checkpoint every N steps, written in the background, so that a "
-            "kill -9 loses fewer than N steps; 0: at the end of each epoch only", check=non_negative,
-            free_on_resume=True),
-    Setting("--keep-checkpoints", int, 3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=positive,
-            free_on_resume=True),
-    Setting("--predict", str, "", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
-            free_on_resume=True),
-    Setting("--experiment", str, "fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME",
-            free_on_resume=True),
-    Setting("--run-name", str, "", "MLflow run name (default: MLflow picks one)", free_on_resume=True),
-    Setting("--tracking", str, "on", "MLflow tracking on or off", choices=("on", "off"), free_on_resume=True),
-    Setting("--tracking-wait", int, 60, "seconds a finishing job waits for an unreachable MLflow server before "
-            "leaving what it did not send in <output-dir>/mlflow-pending.jsonl", check=positive, free_on_resume=True),
-    Setting("--register-model", str, "", "register the trained model under this name in the MLflow Model "
-            "Registry (default: not registered)", free_on_resume=True),
-    Setting("--divergence-check", str, "on", "on: stop as diverged (exit 3) when the training loss explodes, or "
-            "when after the first epoch past 200 steps the network does no better than chance; off: only a "
-            "non-finite loss stops it", choices=("on", "off"), free_on_resume=True),
-    Setting("--log-interval", int, 100, "steps between progress lines and training-loss points", check=positive,
-            free_on_resume=True),
-    Setting("--threads", int, 0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of "
-            "the worker's share of this machine (see --cpu-bind)", check=non_negative, free_on_resume=True),
-    Setting("--cpu-bind", str, "on", "on: bind each CPU worker to its own share of this machine's cores, divided "
-            "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"), free_on_resume=True),
-)
-FREE_ON_RESUME = frozenset(s.name for s in SETTINGS if s.free_on_resume)
+    amp: str = setting("auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS,
+                       free_on_resume=True)
+    loss_scale: str = setting("auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed scale; "
+                              "auto is dynamic for O2 on Ascend and none otherwise", check=loss_scale_mode,
+                              free_on_resume=True)
+    device: str = setting("auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
+    seed: int = setting(42, "random seed; the same on every rank so all replicas start identical")
+    data_dir: Path = setting(Path("data"), "where Fashion-MNIST is, or is put", free_on_resume=True)
+    data_mirrors: str = setting(OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in order "
+                                "after local copies; empty: never download", free_on_resume=True)
+    checksums_file: str = setting("", "sha256sum-style file replacing the pinned checksums of the four IDX files "
+                                  "(to train on another IDX dataset)", free_on_resume=True)
+    download_timeout: float = setting(30.0, "seconds without progress before a download attempt is abandoned",
+                                      check=positive, free_on_resume=True)
+    download_deadline: float = setting(600.0, "seconds one file's download may take in all, whatever its "
+                                       "progress", check=positive, free_on_resume=True)
+    output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go", free_on_resume=True)
+    resume: str = setting("auto", "auto: continue from the newest good checkpoint in the output dir; never: start "
+                          "fresh", choices=("auto", "never"), free_on_resume=True)
+    checkpoint_steps: int = setting(0, "also checkpoint every N steps, written in the background, so that a kill -9 "
+                                    "loses fewer than N steps; 0: at the end of each epoch only",
+                                    check=non_negative, free_on_resume=True)
+    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=positive,
+                                    free_on_resume=True)
+    predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
+                           free_on_resume=True)
+    experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME",
+                              free_on_resume=True)
+    run_name: str = setting("", "MLflow run name (default: MLflow picks one)", free_on_resume=True)
+    tracking: str = setting("on", "on: the MLflow journal in the output dir, sent as the job goes; offline: the "
+                            "journal only, for `python -m fmnist.tracking sync`; off: none",
+                            choices=("on", "offline", "off"), free_on_resume=True)
+    tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow server before leaving "
+                                 "the rest in the journal", check=positive, free_on_resume=True)
+    register_model: str = setting("", "register the trained model under this name in the MLflow Model Registry "
+                                  "(default: not registered)", free_on_resume=True)
+    divergence_check: str = setting("on", "on: stop as diverged (exit 3) when the training loss explodes, or when "
+                                    "after the first epoch past 200 steps the network does no better than chance; "
+                                    "off: only a non-finite loss stops it", choices=("on", "off"),
+                                    free_on_resume=True)
+    log_interval: int = setting(100, "steps between progress lines and training-loss points", check=positive,
+                                free_on_resume=True)
+    threads: int = setting(0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of the "
+                           "worker's share of this machine (see --cpu-bind)", check=non_negative,
+                           free_on_resume=True)
+    cpu_bind: str = setting("on", "on: bind each CPU worker to its own share of this machine's cores, divided "
+                            "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"),
+                            free_on_resume=True)
 
-Config = dataclasses.make_dataclass(
-    "Config", [(s.name, s.type) for s in SETTINGS], frozen=True,
-    namespace={"mirrors": property(lambda cfg: [u.strip() for u in cfg.data_mirrors.split(",") if u.strip()]),
-               "__doc__": "The settings of one job, as read and checked by parse_config()."})
+    @property
+    def mirrors(self):
+        return [url.strip() for url in self.data_mirrors.split(",") if url.strip()]
+
+
+FIELDS = dataclasses.fields(Config)
+FREE_ON_RESUME = frozenset(f.name for f in FIELDS if f.metadata["free_on_resume"])
+
+
+def flag(field):
+    return "--" + field.name.replace("_", "-")
+
+
+def variable(field):
+    return field.metadata["env"] or field.name.upper()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -132,23 +136,24 @@ def build_parser():
     parser = OneLineParser(
         prog="main.py", description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
                     "Each flag defaults from the environment variable named in brackets.")
-    for s in SETTINGS:
+    for f in FIELDS:
         # argparse converts a string default with `type`, so a bad environment value fails like a bad flag.
-        parser.add_argument(s.flag, type=s.type, default=os.environ.get(s.variable, s.default),
-                            choices=s.choices or None, help=f"{s.help} [{s.variable}; default: {s.default}]")
+        parser.add_argument(flag(f), type=f.type, default=os.environ.get(variable(f), f.default),
+                            choices=f.metadata["choices"] or None,
+                            help=f"{f.metadata['help']} [{variable(f)}; default: {f.default}]")
     return parser
 
 
 def parse_config(argv=None):
     """The checked settings; UsageError naming the flag and its variable for a bad one."""
     cfg = Config(**vars(build_parser().parse_args(argv)))
-    for s in SETTINGS:
-        value = getattr(cfg, s.name)
+    for f in FIELDS:
+        value, choices, check = getattr(cfg, f.name), f.metadata["choices"], f.metadata["check"]
         # argparse checks choices only on the command line, not on a default taken from the environment.
-        problem = f"must be one of {', '.join(s.choices)}" if s.choices and value not in s.choices else None
-        problem = problem or (s.check and s.check(value))
+        problem = f"must be one of {', '.join(choices)}" if choices and value not in choices else None
+        problem = problem or (check and check(value))
         if problem:
-            raise common.UsageError(f"{s.flag} {problem}, got {value!r} (flag or {s.variable})")
+            raise common.UsageError(f"{flag(f)} {problem}, got {value!r} (flag or {variable(f)})")
     if cfg.register_model and cfg.tracking == "off":
         raise common.UsageError("--register-model needs tracking: drop --tracking off, or the registration")
     return cfg

@@ -30,14 +30,15 @@ def wait_until_up(url, process, log_path, timeout=120, prefix=()):
 
 
 @contextlib.contextmanager
-def mlflow_server(directory, host="127.0.0.1", port=None, prefix=()):
+def mlflow_server(directory, host="127.0.0.1", port=None, prefix=(), app_name=None):
     """A real tracking server with its own SQLite store and proxied artifact store in `directory`, started
-    under `prefix` when given; yields (url, process) and stops it, with its workers, afterwards."""
+    under `prefix` when given (and as MLflow's `--app-name` app, such as basic-auth); yields (url, process) and
+    stops it, with its workers, afterwards."""
     port = port or free_port()
     url = f"http://{host}:{port}"
     cmd = [*prefix, sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
-           "--artifacts-destination", str(directory / "artifacts")]
+           "--artifacts-destination", str(directory / "artifacts"), *(["--app-name", app_name] if app_name else [])]
     log_path = directory / "server.log"
     with open(log_path, "wb") as log_file:
         server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory,

@@ -106,7 +106,7 @@ def test_manifest_stops_retrying_bad_settings_and_divergence_and_allows_the_sigt
     assert fail_job[0]["onExitCodes"]["values"] == [common.EXIT_USAGE, common.EXIT_DIVERGED, common.EXIT_DISK_FULL]
     # run.sh stops the workers at their next log interval and waits at most 10 s for MLflow: within 30 s.
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
-    assert tracking.MLFLOW_STOP_TIMEOUT_S <= 10
+    assert tracking.STOP_TIMEOUT_S <= 10
 
 
 def test_dockerignore_sends_only_what_the_image_copies():

@@ -269,10 +269,11 @@ def wait_for_log(path, pattern, job, timeout=240):
 
 
 def assert_complete(url, output_dir, epochs, steps_per_epoch, interval):
-    """The job's run holds every metric point, the final figures, the model, and the status FINISHED."""
+    """The job's run holds every metric point once, the final figures, the model, and the status FINISHED;
+    the journal is sent to its end."""
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
     client = MlflowClient(url)
-    run = client.get_run(read_summary(output_dir)["mlflow_run_id"])
+    run = client.get_run(read_summary(output_dir)["mlflow_run_id"] or sent_run_id(output_dir))
     assert run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(interval, epochs * steps_per_epoch + 1, interval))
@@ -280,7 +281,19 @@ def assert_complete(url, output_dir, epochs, steps_per_epoch, interval):
     assert run.data.metrics["test_accuracy"] == pytest.approx(read_summary(output_dir)["test_accuracy"])
     assert len(run.outputs.model_outputs) == 1
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"summary.json", "model.mindir"}
-    assert not (output_dir / tracking.PENDING_FILE).exists()
+    position = json.loads((output_dir / tracking.POSITION).read_text())
+    assert position["offset"] == (output_dir / tracking.JOURNAL).stat().st_size
+    return client, run
+
+
+def sent_run_id(output_dir):
+    return json.loads((output_dir / tracking.POSITION).read_text())["run_id"]
+
+
+def sync(output_dir, url, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(output_dir)], cwd=ROOT,
+                          capture_output=True, text=True, env=job_env(MLFLOW_TRACKING_URI=url), timeout=timeout,
+                          check=False)
 
 
 def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
@@ -292,7 +305,7 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
         job = start_job(tmp_path, args, url)
         # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
         wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
-    time.sleep(15)  # down: MLflow's retries (2, backoff 1 s) give up after seconds
+    time.sleep(15)  # down: MLflow's retries give up after seconds
     with mlflow_server(tmp_path, port=port) as (url, _):
         console, _ = job.communicate(timeout=300)
         assert job.returncode == 0, console[-3000:]
@@ -302,75 +315,146 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
         assert_complete(url, out, epochs=3, steps_per_epoch=256, interval=32)
 
 
-def test_a_server_that_never_returns_costs_a_bounded_wait_and_a_later_command_sends_all(longer_data, tmp_path):
+def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(tiny_data, tmp_path):
+    """The cluster's usual case: data from --data-dir, no server answering. The job trains, waits at most
+    --tracking-wait for the server at its end, exits 0 and leaves the journal; `sync` sends it later."""
+    port, out = free_port(), tmp_path / "out"
+    started = time.monotonic()
+    result = run_main(tmp_path, tiny_args(tiny_data, out, "--epochs", "2", "--tracking-wait", "5"),
+                      env=job_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}"))
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and " ERROR " not in result.stderr
+    assert re.search(r"MLflow: http://127\.0\.0\.1:\d+ did not take the last \d+ operations within 5 s; they wait "
+                     r"in \S+/mlflow-journal\.jsonl", result.stderr), result.stderr[-3000:]
+    assert took < 120, took  # the start's wait (15 s) and the end's (5 s) bound what tracking costs
+    assert read_summary(out)["mlflow_run_id"] is None
+    with mlflow_server(tmp_path, port=port) as (url, _):
+        sent = sync(out, url)
+        assert sent.returncode == 0, sent.stderr
+        assert "MLflow: the journal of" in sent.stdout
+        assert_complete(url, out, epochs=2, steps_per_epoch=16, interval=2)
+        again = sync(out, url)  # nothing left: nothing sent twice
+        assert again.returncode == 0
+        assert_complete(url, out, epochs=2, steps_per_epoch=16, interval=2)
+
+
+def test_a_server_lost_mid_run_costs_a_bounded_wait(longer_data, tmp_path):
     port, out = free_port(), tmp_path / "out"
     args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "32", "--tracking-wait", "5")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
-        # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
         wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
-    stopped = time.monotonic()
     console, _ = job.communicate(timeout=300)
-    print(f"the job ended {time.monotonic() - stopped:.1f} s after the server stopped")
     assert job.returncode == 0, console[-3000:]
     log = (out / "logs" / "worker_0.log").read_text()
-    assert re.search(r"MLflow: the server did not answer within 5 s; \d+ metric values, \d+ artifacts, the model "
-                     r"and the run's end wait in \S+/mlflow-pending.jsonl", log), log[-3000:]
-    assert (out / tracking.PENDING_FILE).exists()
+    finished = re.search(r"(\d\d):(\d\d):(\d\d) rank0 INFO epoch 2/2 done", log)
+    warned = re.search(r"(\d\d):(\d\d):(\d\d) rank0 WARNING MLflow: \S+ did not take the last \d+ operations "
+                       r"within 5 s", log)
+    assert finished and warned, log[-3000:]
+    seconds = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in (finished.groups(), warned.groups())]
+    assert seconds[1] - seconds[0] < 30, seconds  # the results, then 5 s for the server: not MLflow's minutes
     with mlflow_server(tmp_path, port=port) as (url, _):
-        sent = subprocess.run([sys.executable, "-m", "fmnist.tracking", str(out)], cwd=ROOT, capture_output=True,
-                              text=True, env=job_env(MLFLOW_TRACKING_URI=url), timeout=300, check=False)
-        assert sent.returncode == 0, sent.stderr
-        assert "MLflow: sent" in sent.stdout
+        assert sync(out, url).returncode == 0
         assert_complete(url, out, epochs=2, steps_per_epoch=256, interval=32)
 
 
-def test_a_run_that_could_not_start_is_created_by_the_next_start(tmp_path):
-    """The tracker on its own: no server at all, then a server; the next start sends the first run whole
-    (created then, with its parameters) before its own."""
-    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-    port = free_port()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-        tracker = tracking.MlflowTracker("later", "first", {"lr": 0.1}, {"device": "CPU"}, tmp_path, finish_timeout=3)
-        tracker.log_metrics({"train_loss": 1.0}, step=1)
-        assert tracker.run_id is None  # nobody waits for a server that is away
-        tracker.finish("FINISHED")
-        assert (tmp_path / tracking.PENDING_FILE).exists()
-        with mlflow_server(tmp_path, port=port) as (url, _):
-            second = tracking.MlflowTracker("later", "second", {"lr": 0.2}, {"device": "CPU"}, tmp_path)
-            second.log_metrics({"train_loss": 0.5}, step=1)
-            second.finish("FINISHED")
-            client = MlflowClient(url)
-            runs = {run.info.run_name: run for run in client.search_runs(
-                [client.get_experiment_by_name("later").experiment_id])}
-            assert sorted(runs) == ["first", "second"]
-            assert runs["first"].info.status == "FINISHED" and runs["first"].data.params["lr"] == "0.1"
-            assert runs["first"].data.tags["mlflow.user"] == getpass.getuser()  # resolved where the job ran
-            assert [m.value for m in client.get_metric_history(runs["first"].info.run_id, "train_loss")] == [1.0]
-            assert not (tmp_path / tracking.PENDING_FILE).exists()
+def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):
+    """MLflow's own basic-auth server and a wrong password: exit 2 within seconds, in one line that names the
+    server and the refusal; the journal keeps nothing of the refused job."""
+    with mlflow_server(tmp_path, app_name="basic-auth") as (url, _):
+        started = time.monotonic()
+        result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"),
+                          env=job_env(MLFLOW_TRACKING_URI=url, MLFLOW_TRACKING_USERNAME="admin",
+                                      MLFLOW_TRACKING_PASSWORD="wrong"))
+        took = time.monotonic() - started
+    assert result.returncode == common.EXIT_USAGE, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"MLflow at {url} refused to start the run" in errors[0], result.stderr[-3000:]
+    assert "401" in errors[0] and "Traceback" not in result.stderr
+    assert "epoch 1/1" not in result.stderr  # before training
+    assert took < 60, took
+    journal = tmp_path / "out" / tracking.JOURNAL
+    assert not journal.exists() or journal.read_text() == ""
+    assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_a_long_outage_keeps_memory_bounded_and_sends_everything_in_order(tmp_path, caplog):
-    """The tracker on its own, its memory bound at 4: 20 points logged while no server answers go, past the
-    bound, to the pending file; when a server comes, every point goes out once, in order."""
+def test_an_exception_inside_the_sender_is_one_line_and_the_job_keeps_its_status(tiny_data, tmp_path):
+    """An MLflow client that raises where none should (injected through sitecustomize): the sender names it
+    once and goes on; the job ends 0 and the rest of the run arrives."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import mlflow.tracking.client as c\n"
+        "real = c.MlflowClient.log_artifact\n"
+        "def log_artifact(self, run_id, path, *args, **kwargs):\n"
+        "    if path.endswith('samples.png'):\n"
+        "        raise RuntimeError('injected into the sender')\n"
+        "    return real(self, run_id, path, *args, **kwargs)\n"
+        "c.MlflowClient.log_artifact = log_artifact\n")
+    with mlflow_server(tmp_path) as (url, _):
+        result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"),
+                          env=job_env(MLFLOW_TRACKING_URI=url, PYTHONPATH=str(hook)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [line for line in result.stderr.splitlines() if "injected" in line]
+        assert lines == [lines[0]] and "MLflow: 1 artifact not logged, skipped: RuntimeError: injected" in lines[0]
+        assert "Traceback" not in result.stderr
+        client, run = assert_complete(url, tmp_path / "out", epochs=1, steps_per_epoch=16, interval=2)
+        assert "samples.png" not in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data, tmp_path):
+    """--tracking offline writes the journal only; `sync` then makes the same run: the same metric points,
+    artifacts, model and status as the tracked 2-worker job's."""
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-    port = free_port()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-        tracker = tracking.MlflowTracker("bounded", "long-outage", {"lr": 0.1}, {}, tmp_path, finish_timeout=120,
-                                         buffer_limit=4)
-        for step in range(1, 21):
-            tracker.log_metrics({"train_loss": 1.0 / step}, step=step)
-        pending = (tmp_path / tracking.PENDING_FILE).read_text().splitlines()
-        assert len(pending) >= 4  # the older operations wait on disk, not in memory
-        with mlflow_server(tmp_path, port=port) as (url, _):
-            tracker.finish("FINISHED")
-            client = MlflowClient(url)
-            run = client.search_runs([client.get_experiment_by_name("bounded").experiment_id])[0]
-            history = client.get_metric_history(run.info.run_id, "train_loss")
-            assert [m.step for m in history] == list(range(1, 21))
-            assert [m.value for m in history] == [1.0 / step for step in range(1, 21)]
-            assert run.info.status == "FINISHED"
-    assert not (tmp_path / tracking.PENDING_FILE).exists()
-    assert any("now wait in" in r.getMessage() for r in caplog.records)
+    client, tracked, _ = tracked_run
+    out = tmp_path / "out"
+    offline = run_msrun(tmp_path, tiny_args(tiny_data, out, "--epochs", str(EPOCHS), "--tracking", "offline",
+                                            "--register-model", REGISTERED),
+                        env=job_env(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"))
+    assert offline.returncode == 0, offline.logs
+    assert "sync" in offline.logs["worker_0.log"] and not (tmp_path / "mlflow.db").exists()
+    with mlflow_server(tmp_path) as (url, _):
+        assert sync(out, url).returncode == 0
+        synced_client = MlflowClient(url)
+        run = synced_client.get_run(sent_run_id(out))
+        assert run.info.status == tracked.info.status == "FINISHED"
+        keys = {key for key in tracked.data.metrics if not key.startswith("system/")}
+        assert {key for key in run.data.metrics if not key.startswith("system/")} == keys
+        for key in keys:
+            assert ([m.step for m in synced_client.get_metric_history(run.info.run_id, key)]
+                    == [m.step for m in client.get_metric_history(tracked.info.run_id, key)]), key
+        assert any(key.startswith("system/node0/") for key in run.data.metrics)
+        assert ({a.path for a in synced_client.list_artifacts(run.info.run_id)}
+                == {a.path for a in client.list_artifacts(tracked.info.run_id)})
+        assert len(run.outputs.model_outputs) == 1
+        assert run.data.params == {**tracked.data.params, "tracking": "offline", "output_dir": str(out)}
+        assert synced_client.get_model_version(REGISTERED, "1").run_id == run.info.run_id
+
+
+def test_kill_9_then_a_restart_continues_the_journal_and_holds_no_point_twice(longer_data, tmp_path):
+    """Rank 0, the journal's writer and sender, killed mid-run; the same command again resumes, sends what was
+    left and goes on: every journal line's point is in the run exactly once."""
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    out = tmp_path / "out"
+    args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "16", "--checkpoint-steps", "64")
+    with mlflow_server(tmp_path) as (url, _):
+        job = start_job(tmp_path, args, url)
+        wait_for_log(out / "logs" / "worker_0.log", r"epoch 1/2 \| step 160/", job)
+        pid = int(re.search(r"rank 0 of 2 \(pid (\d+)\)", (out / "logs" / "worker_0.log").read_text()).group(1))
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        job.communicate(timeout=120)
+        assert job.returncode == 137
+        rerun = start_job(tmp_path, args, url)
+        console, _ = rerun.communicate(timeout=600)
+        assert rerun.returncode == 0, console[-3000:]
+        client = MlflowClient(url)
+        run_id = read_summary(out)["mlflow_run_id"]
+        journal = [json.loads(line) for line in (out / tracking.JOURNAL).read_text().splitlines()]
+        assert [op["op"] for op in journal].count("start") == 2
+        sent = sorted((key, op["step"], op["timestamp"], value) for op in journal if op["op"] == "metrics"
+                      for key, value in op["values"].items() if key == "train_loss")
+        held = sorted(("train_loss", m.step, m.timestamp, m.value)
+                      for m in client.get_metric_history(run_id, "train_loss"))
+        assert held == sent
+        assert client.get_run(run_id).data.tags["resumed"] == "true"

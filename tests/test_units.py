@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import main
-from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, restarts, settings,
-                    tracking)
+from fmnist import checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, settings, tracking
 from conftest import ROOT, idx_bytes, make_split, small_volume
 
 
@@ -113,12 +112,12 @@ def test_settings_come_from_flags_then_environment(monkeypatch):
     assert settings.parse_config(["--batch-size", "8"]).batch_size == 8  # a flag beats the environment
 
 
-def test_every_setting_is_in_the_readme_table_and_the_help_with_its_variable():
-    rows = re.findall(r"^\| `(--[\w-]+)` \| `(\w+)` \|", (ROOT / "README.md").read_text(), flags=re.M)
-    assert sorted(rows) == sorted((s.flag, s.variable) for s in settings.SETTINGS)
+def test_every_setting_is_in_the_docs_table_and_the_help_with_its_variable():
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `(\w+)` \|", (ROOT / "docs" / "settings.md").read_text(), flags=re.M)
+    assert sorted(rows) == sorted((settings.flag(f), settings.variable(f)) for f in settings.FIELDS)
     helps = {action.option_strings[0]: action.help for action in settings.build_parser()._actions}  # noqa: SLF001
-    for setting in settings.SETTINGS:
-        assert helps[setting.flag] == f"{setting.help} [{setting.variable}; default: {setting.default}]"
+    for f in settings.FIELDS:
+        assert helps[settings.flag(f)] == f"{f.metadata['help']} [{settings.variable(f)}; default: {f.default}]"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -306,12 +305,13 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     them; the cell itself needs an Ascend device."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     tracker = RecordingTracker()
-    progress = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, steps_per_epoch=4,
-                                       global_batch=8, log_interval=2, laps=restarts.Laps())
-    progress.on_train_epoch_begin(None)
+    progress = monitor.Progress(steps_per_epoch=4)
+    training = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, progress=progress,
+                                       global_batch=8, log_interval=2, laps=monitor.Laps())
+    training.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
-        progress.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
+        training.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
     assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
         (2, 1, 32768.0), (4, 3, 16384.0)]
     assert progress.skipped_steps == 3
@@ -354,25 +354,25 @@ def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
         "epoch-0002.ckpt", "epoch-0002-step-000300.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0001.ckpt"]
 
 
-def test_restart_cost_is_the_steps_lost_and_phases_that_add_up():
-    laps = restarts.Laps()
-    laps.started_wall = 1000.0
-    laps.laps = {"join": 4.0, "setup": 0.5, "checkpoint": 0.1, "compile": 0.6, "first_step": 0.05}
-    cost = restarts.restart_cost((300, 990.0), 3, laps, resumed_step=290)
-    assert cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
-    parts = sum(v for k, v in cost.items() if k.endswith("_s") and k != "restart_total_s")
-    assert cost["restart_total_s"] == pytest.approx(parts) == pytest.approx(10.0 + 5.25)
-    first = restarts.restart_cost(None, 1, laps, resumed_step=0)  # no record: nothing to measure from
-    assert first["restarts"] == 1 and first["restart_steps_lost"] == 0 and "restart_total_s" not in first
+def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
+    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.Position(1, 0), restarts=2, history=[],
+                                  loss_points=[], last_step=(300, 990.0))
+    progress = monitor.Progress(steps_per_epoch=290, position=checkpoints.Position(1, 1), steps_done=1)
+    tracker = RecordingTracker()
+    saver = checkpoints.CheckpointSaver(tmp_path, 3, 0, progress, tracker, {}, resumed)
+    saver.log_restart_cost(291)
+    [(step, cost)] = tracker.logged
+    assert step == 291 and cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
+    assert cost["restart_total_s"] > 0
 
 
 def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
     """The record's first write takes a block: on a full volume that is the job's exit 4, not a traceback."""
     with small_volume(tmp_path / "volume", "64k") as volume:
+        saver = checkpoints.CheckpointSaver(volume / "checkpoints", 3, 0, monitor.Progress(steps_per_epoch=10),
+                                            None, {})
         with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
             while True:
                 filler.write(b"\0" * 4096)
-        progress = types.SimpleNamespace(position=checkpoints.Position(0, 0), steps_per_epoch=10)
-        record = restarts.StepRecord(volume / "checkpoints", progress, None, restarts.Laps())
         with pytest.raises(common.DiskFull, match=r"no space left on the device of .*/checkpoints/last-step"):
-            record.mark()
+            saver.mark()
