@@ -140,10 +140,8 @@ def get_data(job):
     """The train and test splits on every rank, fetched by one worker per node (nodes need not share a file
     system) while the others wait. Returns the splits and where each file came from."""
     cfg, collective = job.cfg, job.collective
-    sources = {}
-    if collective.is_local_main:
-        sources = data.make_available(cfg, job.checksums, say=log.info)
-    collective.barrier()
+    fetch_here = collective.is_local_main and (lambda: data.make_available(cfg, job.checksums, say=log.info))
+    sources = collective.wait_for(fetch_here or None) or {}
     splits = data.load_splits(cfg.data_dir)
     settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
     return splits, sources
@@ -220,7 +218,7 @@ def start_tracking(job, resumed, splits, sources):
     cfg, collective = job.cfg, job.collective
     if cfg.tracking == "off":
         return tracking.NullTracker()
-    tracker, refused = tracking.NullTracker(), ""
+    tracker = tracking.NullTracker()
     if collective.is_main:
         tracker = tracking.Tracker(cfg.output_dir, cfg.tracking == "on", tracking_node(), cfg.tracking_wait)
         params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.isa_cap,
@@ -229,14 +227,15 @@ def start_tracking(job, resumed, splits, sources):
         tags = {"device": job.device, "world_size": str(collective.world_size), "job_version": common.JOB_VERSION}
         if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
-        try:
-            tracker.start(cfg.experiment, cfg.run_name, {k: str(v) for k, v in params.items()},
-                          tracking.mlflow_tags(tags), tracking.dataset_entities(splits, job.checksums, sources),
-                          continues=resumed is not None)
-        except tracking.Refused as exc:
-            refused = str(exc)
-    if collective.all_gather(np.array([bool(refused)])).any():
-        raise common.UsageError(refused or "rank 0's MLflow run was refused")
+
+        def start():
+            try:
+                tracker.start(cfg.experiment, cfg.run_name, {k: str(v) for k, v in params.items()},
+                              tracking.mlflow_tags(tags), tracking.dataset_entities(splits, job.checksums, sources),
+                              continues=resumed is not None)
+            except tracking.Refused as exc:
+                raise common.UsageError(str(exc)) from None
+    collective.wait_for(start if collective.is_main else None)
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
         if run_id and collective.is_local_main and not collective.is_main:
@@ -254,27 +253,32 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
     at the same step, and on SIGTERM or SIGINT rank 0 checkpoints it; a full disk (exit 4) stops rank 0, the one
     writer, whose exit ends the others."""
     checkpoint_dir = job.cfg.output_dir / "checkpoints"
-    if isinstance(exc, distributed.Terminated):
-        status, run_status = 128 + exc.signum, "KILLED"
-        if job.collective.is_main:
-            try:
-                saver.save_now(trainer.train_network, progress.position)
-                log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
-                            checkpoints.checkpoint_path(checkpoint_dir, progress.position))
-            except common.DiskFull as full:
-                status = common.EXIT_DISK_FULL
-                log.error("%s; the next start resumes from the newest checkpoint before it", full)
-    elif isinstance(exc, monitor.Diverged):
-        status, run_status = common.EXIT_DIVERGED, "FAILED"
-        if job.collective.is_main:
+    status, run_status = {distributed.Terminated: (128 + getattr(exc, "signum", 0), "KILLED"),
+                          monitor.Diverged: (common.EXIT_DIVERGED, "FAILED")}.get(type(exc),
+                                                                               (common.EXIT_DISK_FULL, "FAILED"))
+    if isinstance(exc, common.DiskFull):  # rank 0's alone: its exit ends the others
+        log.error("%s", exc)
+        tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
+        return status
+
+    def finish():  # rank 0's, while the others wait for it
+        if isinstance(exc, distributed.Terminated):
+            saver.save_now(trainer.train_network, progress.position)
+            log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
+                        checkpoints.checkpoint_path(checkpoint_dir, progress.position))
+        else:
             log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
                       "stay in %s", exc, exc.advice(job.cfg.lr), checkpoint_dir)
-    else:
-        status, run_status = common.EXIT_DISK_FULL, "FAILED"
-        log.error("%s", exc)
-    tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
-    if status != common.EXIT_DISK_FULL:  # msrun kills every worker at the first exit: let rank 0 end the run first
-        job.collective.barrier()
+        tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
+
+    try:
+        job.collective.wait_for(finish if job.collective.is_main else None)
+    except common.DiskFull as full:
+        log.error("%s; the next start resumes from the newest checkpoint before it", full)
+        tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
+        return common.EXIT_DISK_FULL
+    except common.UsageError:
+        pass  # rank 0 could not checkpoint the stop; its own exit says why
     return status
 
 
@@ -292,7 +296,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
     first_layers = next(iter(net.cells()))
     features_dtype = str(first_layers(Tensor(data.to_model_input(test_images[:2]))).dtype)
     if not collective.is_main:
-        return 0 if identical else 1
+        return 0  # rank 0 reports a difference: an early exit here would end it before it writes the results
 
     float32_net = model.build_network(len(data.CLASS_NAMES))  # the same weights without mixed precision
     ms.load_param_into_net(float32_net, net.parameters_dict())

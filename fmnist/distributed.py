@@ -1,9 +1,11 @@
 """Data parallelism across the msrun job: joining it, the collectives the job needs, the replicas' weight check,
 and the agreement by which every rank stops at the same step on SIGTERM."""
 
+import concurrent.futures
 import hashlib
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -11,11 +13,14 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore.communication import get_group_size, get_rank, init
 
+from . import common
+
 GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A node learns that every node has joined, and leaves the job, at its heartbeat to msrun's scheduler: by
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+POLL_S = 0.2  # between the small gathers of Collective.wait_for
 
 
 def init_distributed():
@@ -61,6 +66,27 @@ class Collective:
         """Every rank arrives before any leaves: a gather of one number. (MindSpore's own barrier() works on
         CPU too, but logs a false "CPU device is not supported" ERROR from its Ascend-only stream sync.)"""
         self.all_gather(np.zeros(1, dtype=np.int32))
+
+    def wait_for(self, work=None):
+        """Run `work` (None: nothing) on this rank while every rank polls with small gathers until every rank's
+        work is done, then return its result or raise its error. MindSpore's CPU collective fails a receive that
+        waits longer than MS_NODE_TIMEOUT (run.sh sets 5 s, so that a dead worker ends the job fast): a rank
+        that waits for another's long work (a download, MLflow, a checkpoint) must not wait in one collective.
+        UsageError on the ranks whose own work went well when another rank's failed."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(work) if work else None
+            while True:
+                state = 0 if future and not future.done() else 2 if future and future.exception() else 1
+                states = self.all_gather(np.array([state], dtype=np.int32))
+                if states.all():
+                    break
+                time.sleep(POLL_S)
+        if future:
+            result = future.result()  # this rank's error, if it failed
+        if (states == 2).any():
+            time.sleep(1)  # the failed rank exits first, so msrun and run.sh report its status and its log
+            raise common.UsageError(f"rank {int(np.argmax(states == 2))} failed (its log says why); this rank stops too")
+        return result if future else None
 
     def broadcast_text(self, text, length=64):
         """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""

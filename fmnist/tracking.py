@@ -384,9 +384,6 @@ def dataset_entities(splits, checksums, sources):
 
 def sync(output_dir, timeout):
     """Send what a job's journal holds; the exit status: 0 all sent, 1 the server stayed away, 2 refused."""
-    if not (Path(output_dir) / JOURNAL).exists():
-        print(f"error: {output_dir} holds no MLflow journal ({JOURNAL})", file=sys.stderr)
-        return common.EXIT_USAGE
     sender, deadline = Sender(output_dir), time.monotonic() + timeout
     try:
         done = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
@@ -409,8 +406,11 @@ def main(argv=None):
     send.add_argument("--timeout", type=float, default=60, help="seconds to retry an unreachable server")
     args = parser.parse_args(argv)
     common.configure_logging(0)
+    if not (args.output_dir / JOURNAL).exists():
+        print(f"error: {args.output_dir} holds no MLflow journal ({JOURNAL})", file=sys.stderr)
+        return common.EXIT_USAGE
     try:
-        with common.locked(args.output_dir / ".lock"):  # a running job sends its journal itself
+        with common.locked(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends it itself
             return sync(args.output_dir, args.timeout)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -244,7 +244,7 @@ def test_resume_under_another_tracking_store_continues_in_a_new_run_there(tiny_d
     second = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--epochs", "2"),
                       env=job_env(MLFLOW_TRACKING_URI=stores[1]))
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"the checkpoint's run {first_run} is not at {stores[1]}" in second.stderr
+    assert f"the training's run {first_run} is not at {stores[1]}" in second.stderr
     summary = read_summary(tmp_path / "out")
     assert summary["resumed_from_epoch"] == 1 and summary["mlflow_run_id"] not in (None, first_run)
     client = MlflowClient(stores[1])
