@@ -4,7 +4,7 @@
 #   docker build -t fashion-mnist-mindspore:1.0.0 .                                      # Ascend 910B
 #   docker build --build-arg CANN_CHIP=310p -t fashion-mnist-mindspore:1.0.0-310p .      # Ascend 310P (the article's)
 #   docker build --build-arg BASE_IMAGE=python:3.11.14-slim-bookworm -t fashion-mnist-mindspore:1.0.0-cpu .
-# podman builds it unchanged; tests/test_image.py builds and runs the CPU variant (README, "The image").
+# podman builds it unchanged; tests/test_image.py builds and runs the CPU variant (docs/deployment.md).
 ARG CANN_CHIP=910b
 ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-${CANN_CHIP}-ubuntu22.04-py3.11
 FROM ${BASE_IMAGE}

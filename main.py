@@ -239,7 +239,7 @@ def start_tracking(job, resumed, splits, sources):
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
         if run_id and collective.is_local_main and not collective.is_main:
-            tracking.SystemMetrics(None, tracking_node(), run_id).start()
+            tracking.SystemMetrics(tracking.direct_logger(run_id), tracking_node()).start()
     return tracker
 
 

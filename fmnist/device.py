@@ -9,8 +9,8 @@ from pathlib import Path
 
 import mindspore as ms
 
-# oneDNN 3.10 picks its jit_uni_ncsp convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs: 183 ms
-# per batch-64 step against 21 ms with its AVX2 kernels (README, "Performance"). A user's own cap wins.
+# oneDNN picks slow convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs; its AVX2 kernels are
+# several times faster (docs/performance.md). A user's own cap wins.
 ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_ISA_DEFAULT = "AVX2"
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
@@ -57,7 +57,7 @@ def bind_to_cores(cores):
     threads take turns with each other's kernels and two workers on two cores train barely faster than one.
     Bound, each worker's threads yield only to each other. The threads that already run are left on every core:
     after init() they are the CPU collective's, and bound they would take a peer's gradients only when this
-    worker's spinning threads let them (a 2-worker step 11.2-11.9 ms with them bound, 8.5-9.5 free).
+    worker's spinning threads let them (docs/performance.md).
     """
     os.sched_setaffinity(0, cores)
 

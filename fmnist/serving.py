@@ -77,7 +77,7 @@ def prediction_frame(logits):
 # MindSpore's graph executor, one per process behind every cell, is not safe to enter from two threads: two
 # calls at once crash the process (SIGSEGV) or hang it, whether they share one cell or each have their own.
 # `mlflow models serve` answers requests on a pool of threads, so the network runs one batch at a time; the
-# checks and the answer around it do not wait. A batch of 64 takes about 4 ms of a request's 27 (README).
+# checks and the answer around it do not wait (docs/performance.md has what that costs).
 _GRAPH_EXECUTOR = threading.Lock()
 
 

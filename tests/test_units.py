@@ -317,12 +317,6 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     assert progress.skipped_steps == 3
 
 
-def test_run_page_is_the_ui_link_for_a_server_and_the_store_otherwise():
-    assert tracking.run_page("http://host:5000/", "3", "abc") == \
-        "http://host:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
-    assert tracking.run_page("sqlite:///mlflow.db", "3", "abc") == "sqlite:///mlflow.db"
-
-
 @pytest.mark.parametrize("variable, value, message", [
     ("AMP", "O5", "--amp must be one of auto, O0, O1, O2, O3, got 'O5' (flag or AMP)"),
     ("RESUME", "always", "--resume must be one of auto, never, got 'always' (flag or RESUME)"),
