@@ -1,25 +1,14 @@
 """Data-parallel LeNet on Fashion-MNIST with MindSpore, launched by msrun and tracked in MLflow.
 
-Run it (Ascend NPUs with HCCL when present, MindSpore's own CPU collective otherwise; the same file):
-
     python main.py                                                        # one process
     msrun --worker_num=2 --local_worker_num=2 --join=True python main.py  # two data-parallel workers
     ./run.sh                                                              # msrun with workers detected
 
-Every setting is a flag and an environment variable (`python main.py --help`); the ones that matter:
---epochs (10), --batch-size per device (64), --lr (0.1), --optimizer (sgd), --amp (auto: O2 on Ascend,
-O0 on CPU), --loss-scale (auto: dynamic for O2 on Ascend, none elsewhere), --data-dir (./data),
---output-dir (./outputs), --checkpoint-steps (0: a checkpoint per epoch; N: also every N steps).
-
-main() below is the whole training, one function per stage: settings; joining the job (context, init(),
-device and cores); the data (fetched once per node, then a barrier); each rank's shard; the network, loss,
-optimizer and mixed precision; resume, from any step; compiling the step; Model.fit with its callbacks; the
-results, gathered from every rank (or, on SIGTERM, a checkpoint of the step every rank stopped at).
-The helpers live in the package fmnist/, one module per concern. To train your own network or data, edit
-fmnist/model.py and fmnist/data.py only (README, "Train your own network").
-
-Expect, with the defaults and two CPU workers: 10 epochs, test accuracy about 0.87-0.89 on the full test
-set, identical weights on every replica, and `outputs/summary.json` holding those figures.
+The same file runs on Ascend NPUs (HCCL) and on CPU (MindSpore's own collective). Every setting is a flag and
+an environment variable (`python main.py --help`). main() is the whole training, one function per stage; the
+helpers live in fmnist/, one module per concern, and a network or dataset of your own means editing
+fmnist/model.py and fmnist/data.py only. Expect, with the defaults and two CPU workers: test accuracy about
+0.87-0.89 after 10 epochs, identical weights on every replica, and the figures in outputs/summary.json.
 """
 
 import dataclasses
@@ -35,8 +24,8 @@ import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.train import Model
 
-from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, plots, serving,
-                    settings, tracking)
+from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, outputs,
+                    serving, settings, tracking)
 from fmnist.common import log
 
 
@@ -88,12 +77,9 @@ def main(argv=None) -> int:
         laps("compile")
         tracker = start_tracking(job, resumed, splits, sources)
         laps("tracking")
-    except common.UsageError as exc:
+    except (common.UsageError, common.DiskFull) as exc:
         log.error("%s", exc)
-        return common.EXIT_USAGE
-    except common.DiskFull as exc:
-        log.error("%s", exc)
-        return common.EXIT_DISK_FULL
+        return exc.status
     progress = monitor.Progress.resumed_from(resumed, shards.steps_per_epoch)
     training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress, cfg.batch_size * collective.world_size,
                                        cfg.log_interval, laps, len(data.CLASS_NAMES), cfg.divergence_check == "on")
@@ -216,11 +202,12 @@ def start_tracking(job, resumed, splits, sources):
     A refused start (credentials, permissions, the URI) is bad input on every rank. On nodes after the first,
     the first worker sends its node's system metrics to the run."""
     cfg, collective = job.cfg, job.collective
-    if cfg.tracking == "off":
-        return tracking.NullTracker()
+    node = f"node{os.environ.get('NODE_RANK', '0')}"  # in system metrics' names (run.sh exports NODE_RANK)
     tracker = tracking.NullTracker()
+    if cfg.tracking == "off":
+        return tracker
     if collective.is_main:
-        tracker = tracking.Tracker(cfg.output_dir, cfg.tracking == "on", tracking_node(), cfg.tracking_wait)
+        tracker = tracking.Tracker(cfg.output_dir, cfg.tracking == "on", node, cfg.tracking_wait)
         params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.isa_cap,
                   "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
                   "mindspore_version": ms.__version__, "job_version": common.JOB_VERSION}
@@ -231,7 +218,7 @@ def start_tracking(job, resumed, splits, sources):
         def start():
             try:
                 tracker.start(cfg.experiment, cfg.run_name, {k: str(v) for k, v in params.items()},
-                              tracking.mlflow_tags(tags), tracking.dataset_entities(splits, job.checksums, sources),
+                              tags, tracking.dataset_entities(splits, job.checksums, sources),
                               continues=resumed is not None)
             except tracking.Refused as exc:
                 raise common.UsageError(str(exc)) from None
@@ -239,37 +226,30 @@ def start_tracking(job, resumed, splits, sources):
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
         if run_id and collective.is_local_main and not collective.is_main:
-            tracking.SystemMetrics(tracking.direct_logger(run_id), tracking_node()).start()
+            tracking.watch_node(run_id, node)
     return tracker
-
-
-def tracking_node():
-    """This node in system-metric names: node0, node1, ... (run.sh exports NODE_RANK)."""
-    return f"node{os.environ.get('NODE_RANK', '0')}"
 
 
 def stop_early(job, exc, trainer, progress, saver, tracker):
     """The job ends without results. Divergence (exit 3) and SIGTERM or SIGINT (128 + the signal) stop every rank
-    at the same step, and on SIGTERM or SIGINT rank 0 checkpoints it; a full disk (exit 4) stops rank 0, the one
-    writer, whose exit ends the others."""
+    at the same step, and on a signal rank 0 checkpoints it while the others wait; a full disk (exit 4) is rank
+    0's alone, the one writer, whose exit ends the others."""
     checkpoint_dir = job.cfg.output_dir / "checkpoints"
-    status, run_status = {distributed.Terminated: (128 + getattr(exc, "signum", 0), "KILLED"),
-                          monitor.Diverged: (common.EXIT_DIVERGED, "FAILED")}.get(type(exc),
-                                                                               (common.EXIT_DISK_FULL, "FAILED"))
-    if isinstance(exc, common.DiskFull):  # rank 0's alone: its exit ends the others
+    if isinstance(exc, common.DiskFull):
         log.error("%s", exc)
-        tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
-        return status
+        tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
+        return common.EXIT_DISK_FULL
+    stopped = isinstance(exc, distributed.Terminated)
 
-    def finish():  # rank 0's, while the others wait for it
-        if isinstance(exc, distributed.Terminated):
+    def finish():
+        if stopped:
             saver.save_now(trainer.train_network, progress.position)
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         checkpoints.checkpoint_path(checkpoint_dir, progress.position))
         else:
             log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
                       "stay in %s", exc, exc.advice(job.cfg.lr), checkpoint_dir)
-        tracker.finish(run_status, timeout=tracking.STOP_TIMEOUT_S)
+        tracker.finish("KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
 
     try:
         job.collective.wait_for(finish if job.collective.is_main else None)
@@ -279,35 +259,30 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
         return common.EXIT_DISK_FULL
     except common.UsageError:
         pass  # rank 0 could not checkpoint the stop; its own exit says why
-    return status
+    return 128 + exc.signum if stopped else common.EXIT_DIVERGED
 
 
 def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
-    """The job's results, measured on every rank and written by rank 0: summary.json, the final model as a
-    checkpoint, as MindIR and as the run's MLflow model, and the PNGs (drawn here, off the way to the first
-    step). Exit 1 if the replicas diverged."""
+    """The job's results, measured on every rank (the gathers are collectives) and written by rank 0. Exit 1
+    if the replicas diverged."""
     cfg, collective = job.cfg, job.collective
     test_images = splits.test.images
     if progress.confusion is None:  # every epoch was done before this run: evaluate the final model once
         progress.confusion = trainer.eval(test_ds, dataset_sink_mode=False)["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-    # What the first layers really compute in: float16 under O2 and O3 (O1 casts back after each layer).
-    first_layers = next(iter(net.cells()))
-    features_dtype = str(first_layers(Tensor(data.to_model_input(test_images[:2]))).dtype)
     if not collective.is_main:
         return 0  # rank 0 reports a difference: an early exit here would end it before it writes the results
 
     float32_net = model.build_network(len(data.CLASS_NAMES))  # the same weights without mixed precision
     ms.load_param_into_net(float32_net, net.parameters_dict())
-    amp_logit_error, step_loss_scale = metrics.precision_in_step(
-        trainer.train_network, float32_net, Tensor(data.to_model_input(test_images[:8])))
+    precision = metrics.mixed_precision(trainer.train_network, net, float32_net,
+                                        Tensor(data.to_model_input(test_images[:8])))
     history = progress.history[:cfg.epochs]
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
-        "loss_scaling": job.loss_scaling, "features_dtype": features_dtype, "amp_logit_error": amp_logit_error,
-        "step_loss_scale": step_loss_scale,
+        "loss_scaling": job.loss_scaling, **precision,
         "cpu": {**job.cpu, "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
         "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
@@ -322,19 +297,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
         "epoch_history": history,
     }
-    outputs = {"samples.png": lambda path: plots.save_sample_grid(splits.train, path, cfg.seed),
-               "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
-               "model.mindir": lambda path: serving.export_mindir(net, path),
-               "training_curves.png": lambda path: plots.save_training_curves(progress.loss_points, history, path),
-               "confusion_matrix.png": lambda path: plots.save_confusion_matrix(progress.confusion, path),
-               "summary.json": lambda path: common.write_json(path, summary)}
-    for name, write in outputs.items():
-        write(cfg.output_dir / name)
-        tracker.log_artifact(cfg.output_dir / name)
-    example = test_images[:tracking.SERVING_EXAMPLE_IMAGES]
-    tracker.log_model(cfg.output_dir / "model.mindir", example,
-                      serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy()),
-                      cfg.register_model, summary["test_accuracy"])
+    outputs.write_all(cfg.output_dir, net, splits, progress, summary, cfg.seed, tracker, cfg.register_model)
     tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],
                          "test_loss": summary["test_loss"]}, step=cfg.epochs)
     tracker.finish("FINISHED" if identical else "FAILED")

@@ -1,4 +1,5 @@
-"""What every stage shares: exit codes, the one error type for bad input, logging, and files written whole."""
+"""What every stage shares: exit codes, the one error type for bad input, logging, files written whole (the
+journal among them) and the one lock."""
 
 import contextlib
 import errno
@@ -8,6 +9,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -22,13 +24,28 @@ log = logging.getLogger("fashion-mnist")
 class UsageError(Exception):
     """A setting or the data is wrong; the message says what and how to fix it."""
 
+    status = EXIT_USAGE
+
 
 class DiskFull(Exception):
     """No space (or quota) was left for a file the job writes; nothing half-written was kept."""
 
+    status = EXIT_DISK_FULL
+
     def __init__(self, path, exc):
         super().__init__(f"no space left on the device of {path} ({exc.strerror}); free some space there or give "
                          "a larger volume, then run the same command again: it resumes from the newest checkpoint")
+
+
+def first_line(exc):
+    """An exception in one line: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def start_thread(target, *args):
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
 
 
 def configure_logging(rank):
@@ -117,3 +134,39 @@ def locked(path, what, wait=False):
         yield
     finally:
         lock.close()
+
+
+class Journal:
+    """An append-only file of JSON lines, each written whole; read back from any byte offset."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.appended = threading.Condition()
+        self.rollback_to = None  # its size before this process's first line
+
+    def append(self, op, **fields):
+        line = json.dumps({"op": op, **fields}) + "\n"  # json refuses what it cannot write back
+        with self.appended, space_for(self.path):
+            if self.rollback_to is None:
+                self.rollback_to = self.path.stat().st_size if self.path.exists() else 0
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(line)
+            self.appended.notify_all()
+
+    def rollback(self):
+        """Remove what this process appended."""
+        if self.rollback_to is not None:
+            os.truncate(self.path, self.rollback_to)
+
+    def read_from(self, offset):
+        """[(offset after the line, the line's object)] of the whole lines after `offset`."""
+        lines = []
+        if self.path.exists():
+            with open(self.path, "rb") as journal:
+                journal.seek(offset)
+                for line in journal:
+                    if not line.endswith(b"\n"):
+                        break  # being written
+                    offset += len(line)
+                    lines.append((offset, json.loads(line)))
+        return lines

@@ -69,11 +69,13 @@ def test_metrics(collective, num_classes):
             "confusion": GlobalConfusion(collective, num_classes)}
 
 
-def precision_in_step(train_step, float32_net, images):
-    """What mixed precision and loss scaling do in a train step as MindSpore built it, measured on it: the
-    largest change of its forward pass's logits against `float32_net` (the same weights in float32; 0 under
-    O0), and the factor its backward pass scales the loss by (1 without loss scaling)."""
+def mixed_precision(train_step, net, float32_net, images):
+    """What mixed precision and loss scaling do in a train step as MindSpore built it, measured on it:
+    features_dtype, the dtype the first layers compute in (float16 under O2 and O3; O1 casts back after each
+    layer); amp_logit_error, the largest change of the step's forward logits against `float32_net` (the same
+    weights in float32; 0 under O0); step_loss_scale, the factor its backward pass scales the loss by."""
     amp_forward = train_step.network._backbone  # pylint: disable=protected-access  (the network after amp)
-    logit_error = float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max())
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
-    return logit_error, float(scale)
+    return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
+            "amp_logit_error": float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()),
+            "step_loss_scale": float(scale)}

@@ -1,12 +1,8 @@
-"""Every MLflow call of the job, as one journal: rank 0 appends each tracking operation, in order, to
-<output-dir>/mlflow-journal.jsonl, and one sender carries it to MLflow from the position it recorded last.
-
-Online the sender follows the journal on a thread of rank 0; `python -m fmnist.tracking sync OUTPUT_DIR` is the
-same sender, later (after --tracking offline, or what a job could not send). A line sent twice, after a
-kill -9 between a send and its recorded position, is harmless: MLflow's store keeps one copy of a metric point
-with the same key, step, time and value. Transient failures (unreachable, time-out, 5xx, 429) are retried; a
-refused start (401, 403, a URI MLflow cannot use) is Refused, the job's exit 2; any other failure is one line.
-"""
+"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
+directory, and one sender carries it to MLflow from the position it recorded last: on a thread while the job
+runs, or later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a send and
+its recorded position) is harmless: MLflow's store keeps one copy of a metric point with the same key, step,
+time and value. docs/tracking.md has the rules for failures."""
 
 import argparse
 import json
@@ -30,50 +26,20 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the U
 RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)
 START_WAIT_S = 15  # what training waits for the run's creation to be tried
 STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
-SERVING_EXAMPLE_IMAGES = 4
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 class Refused(Exception):
-    """The tracking server refused to start the run: credentials, permissions or the URI."""
+    """The tracking server refused to start the run (credentials, permissions, the URI): the job's exit 2."""
 
 
-def kind_of_failure(exc):
-    """"transient" (worth retrying), "refused" (the server said no) or "error" (anything else)."""
+def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
     if isinstance(exc, MlflowException):
         status = exc.get_http_status_code()
         return "transient" if status >= 500 or status == 429 else "refused"
-    if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith(("requests", "urllib3")):
-        return "transient"
-    return "error"
-
-
-def first_line(exc):
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-
-
-class Journal:
-    """The append-only journal of one output directory: one JSON line per operation, written whole."""
-
-    def __init__(self, output_dir):
-        self.path = Path(output_dir) / JOURNAL
-        self.appended = threading.Condition()
-        self.rollback_to = None  # its size before this process's first line
-
-    def append(self, op, **fields):
-        line = json.dumps({"op": op, **fields}) + "\n"  # refuses what it cannot write: nothing half-safe
-        with self.appended, common.space_for(self.path):
-            if self.rollback_to is None:
-                self.rollback_to = self.path.stat().st_size if self.path.exists() else 0
-            with open(self.path, "a", encoding="utf-8") as out:
-                out.write(line)
-            self.appended.notify_all()
-
-    def rollback(self):
-        """Remove what this process appended: its start was refused, so none of it belongs to a run."""
-        if self.rollback_to is not None:
-            os.truncate(self.path, self.rollback_to)
+    transient = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
+    return "transient" if transient else "error"
 
 
 class Sender:
@@ -90,18 +56,8 @@ class Sender:
         self.mlflow, self.uri, self.client = mlflow, mlflow.get_tracking_uri(), None
         self.failures, self.refused = 0, None
 
-    def unsent(self):
-        """[(offset after the line, operation)] of the whole lines not sent yet."""
-        lines, offset = [], self.offset
-        if self.journal.exists():
-            with open(self.journal, "rb") as journal:
-                journal.seek(offset)
-                for line in journal:
-                    if not line.endswith(b"\n"):
-                        break  # being written
-                    offset += len(line)
-                    lines.append((offset, json.loads(line)))
-        return lines
+    def unsent(self):  # [(offset after the line, operation)]
+        return common.Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
         """Send what waits, in order; True when nothing is left. Retries transient failures until stopping()."""
@@ -112,7 +68,6 @@ class Sender:
                    and pending[len(batch)][1]["op"] == "metrics"
                    and sum(len(line["values"]) for _, line in batch) < 900):
                 batch.append(pending[len(batch)])
-            op = batch[0][1]["op"]
             try:
                 self.send([line for _, line in batch])
             except Exception as exc:  # pylint: disable=broad-except
@@ -121,15 +76,16 @@ class Sender:
                     self.failures += 1
                     if self.failures == 1:
                         log.warning("MLflow: cannot reach %s (%s); the journal keeps everything and is retried",
-                                    self.uri, first_line(exc))
+                                    self.uri, common.first_line(exc))
                     if stopping():
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                if kind == "refused" and op == "start":
-                    self.refused = f"MLflow at {self.uri} refused to start the run: {first_line(exc)}"
+                if kind == "refused" and batch[0][1]["op"] == "start":
+                    self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
                     raise Refused(self.refused) from None
-                log.warning("MLflow: %d %s not logged, skipped: %s", len(batch), op, first_line(exc))
+                log.warning("MLflow: %d %s not logged, skipped: %s", len(batch), batch[0][1]["op"],
+                            common.first_line(exc))
             if self.failures:
                 log.info("MLflow: %s answers again; sending what waited", self.uri)
                 self.failures = 0
@@ -140,19 +96,16 @@ class Sender:
 
     def send(self, ops):
         from mlflow.entities import Metric  # pylint: disable=import-outside-toplevel
-        self.client = self.client or self.mlflow.MlflowClient(self.uri)
-        op = ops[0]
-        if op["op"] == "start":
-            self.start(op)
-        elif op["op"] == "metrics":
+        self.client, op = self.client or self.mlflow.MlflowClient(self.uri), ops[0]
+        if op["op"] == "metrics":
             self.client.log_batch(self.run_id, metrics=[Metric(key, value, line["timestamp"], line["step"])
                                                         for line in ops for key, value in line["values"].items()])
         elif op["op"] == "artifact":
             self.client.log_artifact(self.run_id, op["path"])
-        elif op["op"] == "model":
-            self.log_model(op)
         elif op["op"] == "end":
             self.client.set_terminated(self.run_id, op["status"])
+        else:
+            getattr(self, op["op"])(op)  # start, log_model
 
     def start(self, op):
         """Continue the training's run when it resumed and the store has it; else create one."""
@@ -172,9 +125,6 @@ class Sender:
         experiment = self.client.get_experiment_by_name(op["experiment"])
         experiment_id = (experiment.experiment_id if experiment
                          else self.client.create_experiment(op["experiment"], tags=EXPERIMENT_TAGS))
-        for key, value in EXPERIMENT_TAGS.items():
-            if experiment and key not in experiment.tags:  # a kind the user chose stays
-                self.client.set_experiment_tag(experiment_id, key, value)
         self.run_id = self.client.create_run(experiment_id, tags=tags, run_name=op["run_name"] or None).info.run_id
         self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in op["params"].items()])
         self.client.log_inputs(self.run_id, [DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", c)])
@@ -184,8 +134,7 @@ class Sender:
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model` (loaded by fmnist.serving), with its signature, real test
-        images as its input example and the job's pins; registered when asked, tagged with the test accuracy."""
+        """The MindIR as the run's pyfunc model `model`, loaded by fmnist.serving; registered when asked."""
         import pandas as pd  # pylint: disable=import-outside-toplevel
         signature, example = serving.served_signature(op["example"], pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
@@ -200,74 +149,65 @@ class Sender:
 
 
 class NullTracker:
-    """Tracking on ranks other than 0, or with --tracking off: takes everything, records nothing."""
+    """Tracking on ranks other than 0, or with --tracking off: log_metrics, log_artifact, log_model and finish
+    take anything and record nothing."""
 
     run_id = None
 
-    def log_metrics(self, values, step):
-        pass
-
-    def log_artifact(self, path):
-        pass
-
-    def log_model(self, mindir, example, predictions, register_as, test_accuracy):
-        pass
-
-    def finish(self, status, timeout=None):
-        pass
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
 
 
-class Tracker(NullTracker):
+class Tracker:
     """Rank 0's tracking: it appends to the journal; online, a sender thread follows it."""
 
     def __init__(self, output_dir, online, node, wait_s):
         self.output_dir, self.online, self.wait_s = Path(output_dir), online, wait_s
-        self.journal, self.sender, self.thread = Journal(output_dir), None, None
-        self.finishing, self.system = threading.Event(), SystemMetrics(self.log_metrics, node)
+        self.journal, self.node = common.Journal(Path(output_dir) / JOURNAL), node
+        self.sender = self.thread = None
+        self.finishing, self.system_stopped = threading.Event(), threading.Event()
 
     @property
     def run_id(self):
         return self.sender and self.sender.run_id
 
     def start(self, experiment, run_name, params, tags, datasets, continues):
-        """Journal the run's start; online, wait START_WAIT_S at most for it to be tried. Refused: exit 2."""
-        self.journal.append("start", experiment=experiment, run_name=run_name, params=params, tags=tags,
-                            datasets=datasets, continues=continues)
+        """Journal the run's start, with MLflow's context tags (user, source, commit) resolved here, where the job
+        runs; online, wait START_WAIT_S at most for it to be tried. Refused: the job's exit 2."""
+        import mlflow  # pylint: disable=import-outside-toplevel
+        self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
+                            tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
-            self.thread = threading.Thread(target=self._follow, name="mlflow-sender", daemon=True)
-            self.thread.start()
+            self.thread = common.start_thread(self._follow)
             while (self.sender.offset < started_at and not self.sender.failures and self.thread.is_alive()
                    and time.monotonic() < deadline):
                 time.sleep(0.05)
             if self.sender.refused:
                 self.journal.rollback()
                 raise Refused(self.sender.refused)
-        self.system.start()
+        common.start_thread(sample_system, self.log_metrics, self.node, self.system_stopped)
 
     def log_metrics(self, values, step):
-        self.journal.append("metrics", step=int(step), timestamp=int(time.time() * 1000),
-                            values={key: float(value) for key, value in values.items()})
+        values = {key: float(value) for key, value in values.items()}
+        self.journal.append("metrics", step=int(step), timestamp=int(time.time() * 1000), values=values)
 
     def log_artifact(self, path):
         self.journal.append("artifact", path=str(Path(path).resolve()))
 
     def log_model(self, mindir, example, predictions, register_as, test_accuracy):
-        self.journal.append("model", mindir=str(Path(mindir).resolve()), example=example.tolist(),
+        self.journal.append("log_model", mindir=str(Path(mindir).resolve()), example=example.tolist(),
                             predictions=predictions.to_dict(orient="list"), register_as=register_as,
                             test_accuracy=float(test_accuracy))
 
-    def finish(self, status, timeout=None):
-        """Journal the run's end; online, give the sender `timeout` seconds to send what is left."""
-        self.system.stop()
+    def finish(self, status, timeout=None):  # online, the sender has `timeout` seconds for what is left
+        self.system_stopped.set()
         self.journal.append("end", status=status)
         if not self.online:
             log.info("MLflow: offline; `python -m fmnist.tracking sync %s` sends the run", self.output_dir)
             return
         self.finishing.set()
-        with self.journal.appended:
-            self.journal.appended.notify_all()
         self.thread.join(timeout or self.wait_s)
         if self.sender.unsent():
             log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the next "
@@ -283,59 +223,35 @@ class Tracker(NullTracker):
             except Refused:
                 return
             except Exception as exc:  # pylint: disable=broad-except
-                log.warning("MLflow: the sender failed (%s); the journal keeps what it did not send", first_line(exc))
+                log.warning("MLflow: the sender failed (%s); the journal keeps the rest", common.first_line(exc))
             with self.journal.appended:
                 self.journal.appended.wait(1)
 
 
-class SystemMetrics:
-    """A node's CPU, memory, disk and network from MLflow's own monitors, every
-    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10), handed to `log(values, step)`."""
-
-    def __init__(self, log_metrics, node):
-        self.log_metrics, self.prefix = log_metrics, f"system/{node}/"
-        self.stopped, self.thread = threading.Event(), None
-
-    def start(self):
-        self.thread = threading.Thread(target=self._sample, name="system-metrics", daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.stopped.set()
-        if self.thread:
-            self.thread.join(5)
-
-    def _sample(self):
-        from mlflow.system_metrics.metrics import (  # pylint: disable=import-outside-toplevel
-            cpu_monitor, disk_monitor, network_monitor)
-        monitors = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()]
-        step = 0
-        while not self.stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
-            try:
-                values = {}
-                for monitor in monitors:
-                    monitor.collect_metrics()
-                    values.update({self.prefix + k: v for k, v in monitor.aggregate_metrics().items()})
-                    monitor.clear_metrics()
-                self.log_metrics(values, step)
-                step += 1
-            except Exception as exc:  # pylint: disable=broad-except
-                log.warning("MLflow: system metrics not logged: %s", first_line(exc))
+def sample_system(log_metrics, node, stopped):
+    """Rank 0's node's CPU, memory, disk and network from MLflow's own monitors into the journal, every
+    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10), until `stopped` is set; on a thread of its own."""
+    from mlflow.system_metrics.metrics import (  # pylint: disable=import-outside-toplevel
+        cpu_monitor, disk_monitor, network_monitor)
+    monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
+    while not stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
+        try:
+            values = {}
+            for monitor in monitors:
+                monitor.collect_metrics()
+                values.update({f"system/{node}/{k}": v for k, v in monitor.aggregate_metrics().items()})
+                monitor.clear_metrics()
+            log_metrics(values, step)
+            step += 1
+        except Exception as exc:  # pylint: disable=broad-except
+            log.warning("MLflow: system metrics not logged: %s", common.first_line(exc))
 
 
-def direct_logger(run_id):
-    """log(values, step) straight to the run: a further node's system metrics, online only."""
-    import mlflow  # pylint: disable=import-outside-toplevel
-    from mlflow.entities import Metric  # pylint: disable=import-outside-toplevel
-    client = mlflow.MlflowClient()
-    return lambda values, step: client.log_batch(run_id, metrics=[
-        Metric(k, v, int(time.time() * 1000), step) for k, v in values.items()])
-
-
-def mlflow_tags(tags):
-    """The run's tags with MLflow's context tags (user, source, git commit) resolved here, where the job runs."""
-    import mlflow  # pylint: disable=import-outside-toplevel
-    return mlflow.tracking.context.registry.resolve_tags(tags)
+def watch_node(run_id, node):
+    """MLflow's own system-metrics monitor, straight to the run: a further node's, online only."""
+    from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
+        SystemMetricsMonitor)
+    SystemMetricsMonitor(run_id, node_id=node).start()
 
 
 def dataset_entities(splits, checksums, sources):
@@ -359,26 +275,24 @@ def dataset_entities(splits, checksums, sources):
 def main(argv=None):
     """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent, 1 the server stayed away, 2 refused or bad input."""
     parser = argparse.ArgumentParser(prog="python -m fmnist.tracking", description="Send a job's MLflow journal.")
-    sync = parser.add_subparsers(dest="command", required=True).add_parser(
-        "sync", help="send what OUTPUT_DIR's journal holds to MLFLOW_TRACKING_URI")
+    sync = parser.add_subparsers(dest="command", required=True).add_parser("sync", help="send OUTPUT_DIR's journal")
     sync.add_argument("output_dir", type=Path, help="the job's --output-dir")
     sync.add_argument("--timeout", type=float, default=60, help="seconds to retry an unreachable server")
-    args = parser.parse_args(argv)
+    args, sent = parser.parse_args(argv), False
     common.configure_logging(0)
     try:
         if not (args.output_dir / JOURNAL).exists():
             raise common.UsageError(f"{args.output_dir} holds no MLflow journal ({JOURNAL})")
         with common.locked(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends its own
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
-            if not sender.send_unsent(stopping=lambda: time.monotonic() > deadline):
-                print(f"error: MLflow at {sender.uri} did not answer within {args.timeout:g} s; "
-                      f"{len(sender.unsent())} operations still wait in {sender.journal}", file=sys.stderr)
-                return 1
+            sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
     except (common.UsageError, Refused) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
-    print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}")
-    return 0
+    print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}" if sent else
+          f"error: MLflow at {sender.uri} did not answer within {args.timeout:g} s; {len(sender.unsent())} "
+          f"operations still wait in {sender.journal}", file=sys.stdout if sent else sys.stderr)
+    return 0 if sent else 1
 
 
 if __name__ == "__main__":

@@ -128,8 +128,10 @@ def small_volume(path, size):
 
 
 def no_traceback(result, log_dir):
-    """Whether no traceback shows on the console or in any log of `log_dir`."""
-    texts = {"console": result.console, **{p.name: p.read_text(errors="replace") for p in Path(log_dir).glob("*.log")}}
+    """Whether no traceback shows in run.sh's report or in any worker's log of `log_dir` (msrun's own traceback
+    goes to msrun.log, and its scheduler's to scheduler.log, when a worker fails)."""
+    texts = {"run.sh": result.stderr,
+             **{p.name: p.read_text(errors="replace") for p in Path(log_dir).glob("worker_*.log")}}
     return not [name for name, text in texts.items() if "Traceback" in text]
 
 

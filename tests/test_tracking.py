@@ -411,7 +411,7 @@ def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data
     out = tmp_path / "out"
     offline = run_msrun(tmp_path, tiny_args(tiny_data, out, "--epochs", str(EPOCHS), "--tracking", "offline",
                                             "--register-model", REGISTERED),
-                        env=job_env(MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"))
+                        env=job_env(MLFLOW_EXPERIMENT_NAME="tracked", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"))
     assert offline.returncode == 0, offline.logs
     assert "sync" in offline.logs["worker_0.log"] and not (tmp_path / "mlflow.db").exists()
     with mlflow_server(tmp_path) as (url, _):

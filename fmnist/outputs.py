@@ -1,12 +1,33 @@
-"""The job's pictures, each a PNG written whole: a grid of training samples, the training curves and the
-test-set confusion matrix. matplotlib is imported late: only rank 0 draws."""
+"""The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as an
+MLflow model, summary.json, and the PNGs (a grid of training samples, the training curves, the confusion
+matrix). matplotlib is imported late: only rank 0 draws."""
 
 import io
 import math
 
 import numpy as np
 
-from . import common, data
+from mindspore import Tensor
+
+from . import checkpoints, common, data, serving
+
+
+def write_all(output_dir, net, splits, progress, summary, seed, tracker, register_as):
+    """Every output into `output_dir`, each logged to the run as it is written; then the MLflow model."""
+    history = summary["epoch_history"]
+    writers = {"samples.png": lambda path: save_sample_grid(splits.train, path, seed),
+               "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
+               "model.mindir": lambda path: serving.export_mindir(net, path),
+               "training_curves.png": lambda path: save_training_curves(progress.loss_points, history, path),
+               "confusion_matrix.png": lambda path: save_confusion_matrix(progress.confusion, path),
+               "summary.json": lambda path: common.write_json(path, summary)}
+    for name, write in writers.items():
+        write(output_dir / name)
+        tracker.log_artifact(output_dir / name)
+    example = splits.test.images[:4]  # the MLflow model's input example
+    tracker.log_model(output_dir / "model.mindir", example,
+                      serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy()),
+                      register_as, summary["test_accuracy"])
 
 
 def save_sample_grid(split, path, seed, count=10):
