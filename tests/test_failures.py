@@ -40,7 +40,8 @@ def test_full_volume_at_a_checkpoint_keeps_the_last_one_and_fails_the_run(tiny_d
         assert "exited with status 4: a volume it writes to is full" in result.stderr
         assert no_traceback(result, tmp_path / "logs")
         assert sorted(p.name for p in volume.rglob("*") if p.is_file()) == [
-            ".lock", "epoch-0001.ckpt", "epoch-0002.ckpt", "last-step"]  # nothing half-written
+            ".lock", "epoch-0001.ckpt", "epoch-0002.ckpt", "last-step", "mlflow-journal.jsonl",
+            "mlflow-journal.position"]  # nothing half-written
         import mindspore as ms  # pylint: disable=import-outside-toplevel
         assert "meta" in ms.load_checkpoint(str(volume / "checkpoints" / "epoch-0002.ckpt"), crc_check=True)
     _, runs = mlflow_runs(tmp_path)
