@@ -81,8 +81,9 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return exc.status
     progress = monitor.Progress.resumed_from(resumed, shards.steps_per_epoch)
-    training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress, cfg.batch_size * collective.world_size,
-                                       cfg.log_interval, laps, len(data.CLASS_NAMES), cfg.divergence_check == "on")
+    training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress,
+                                       cfg.batch_size * collective.world_size, cfg.log_interval, laps,
+                                       len(data.CLASS_NAMES), cfg.divergence_check == "on")
     saver = None
     if collective.is_main:  # one writer of checkpoints
         saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints,

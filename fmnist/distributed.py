@@ -62,11 +62,6 @@ class Collective:
             return array[None]
         return self._gather(Tensor(array[None])).asnumpy()
 
-    def barrier(self):
-        """Every rank arrives before any leaves: a gather of one number. (MindSpore's own barrier() works on
-        CPU too, but logs a false "CPU device is not supported" ERROR from its Ascend-only stream sync.)"""
-        self.all_gather(np.zeros(1, dtype=np.int32))
-
     def wait_for(self, work=None):
         """Run `work` (None: nothing) on this rank while every rank polls with small gathers until every rank's
         work is done, then return its result or raise its error. MindSpore's CPU collective fails a receive that
@@ -85,7 +80,8 @@ class Collective:
             result = future.result()  # this rank's error, if it failed
         if (states == 2).any():
             time.sleep(1)  # the failed rank exits first, so msrun and run.sh report its status and its log
-            raise common.UsageError(f"rank {int(np.argmax(states == 2))} failed (its log says why); this rank stops too")
+            failed = int(np.argmax(states == 2))
+            raise common.UsageError(f"rank {failed} failed (its log says why); this rank stops too")
         return result if future else None
 
     def broadcast_text(self, text, length=64):

@@ -110,7 +110,8 @@ class TrainingMonitor(Callback):
         self._epoch_steps += 1
         self._interval_steps += 1
         progress = self.progress
-        progress.position = checkpoints.Position(cb.cur_epoch_num - 1, progress.position.step % self.steps_per_epoch + 1)
+        progress.position = checkpoints.Position(cb.cur_epoch_num - 1,
+                                                 progress.position.step % self.steps_per_epoch + 1)
         progress.steps_done += 1
         if progress.first_step_s is None:
             self.laps("first_step")

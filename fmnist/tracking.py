@@ -209,10 +209,11 @@ class Tracker:
             return
         self.finishing.set()
         self.thread.join(timeout or self.wait_s)
-        if self.sender.unsent():
+        left = len(self.sender.unsent())
+        if left:
             log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the next "
-                        "start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri,
-                        len(self.sender.unsent()), timeout or self.wait_s, self.journal.path, self.output_dir)
+                        "start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri, left,
+                        timeout or self.wait_s, self.journal.path, self.output_dir)
 
     def _follow(self):
         while True:
