@@ -163,12 +163,13 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     # 143, not 137: the job ended on its own within the grace period, before podman's SIGKILL.
     assert status == 128 + signal.SIGTERM, logs[-3000:]
     assert "run the same command again to resume" in logs
-    assert (workspace / "outputs" / "checkpoints" / "epoch-0001.ckpt").exists()
+    # The ranks agree on a step after the signal: mid-epoch 2, or its end on a slow machine.
+    stopped_at = re.search(r"checkpoint \S+/(epoch-0002(?:-step-\d{6})?\.ckpt) written", worker0.read_text())
+    assert stopped_at, worker0.read_text()[-3000:]
     rerun = podman(*run, "--rm", image, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     # From the step the job stopped at, which it checkpointed before exiting.
-    assert re.search(r"resuming from \S+/epoch-0002-step-\d{6}\.ckpt: 1 of 3 epochs and \d+ steps done",
-                     worker0.read_text())
+    assert f"/{stopped_at.group(1)}: " in re.search(r"resuming from .*", worker0.read_text()).group(0)
     assert json.loads((workspace / "outputs" / "summary.json").read_text())["replicas_identical"] is True
     assert foreign_files(workspace) == []
 
