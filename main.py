@@ -4,11 +4,9 @@
     msrun --worker_num=2 --local_worker_num=2 --join=True python main.py  # two data-parallel workers
     ./run.sh                                                              # msrun with workers detected
 
-The same file runs on Ascend NPUs (HCCL) and on CPU (MindSpore's own collective). Every setting is a flag and
-an environment variable (`python main.py --help`). main() is the whole training, one function per stage; the
-helpers live in fmnist/, one module per concern, and a network or dataset of your own means editing
-fmnist/model.py and fmnist/data.py only. Expect, with the defaults and two CPU workers: test accuracy about
-0.87-0.89 after 10 epochs, identical weights on every replica, and the figures in outputs/summary.json.
+The same file runs on Ascend NPUs (HCCL) and on CPU (MindSpore's own collective); every setting is a flag and
+an environment variable (`python main.py --help`). main() is the training, one function per stage, over
+fmnist/, one module per concern: a network or dataset of your own means editing fmnist/model.py and data.py.
 """
 
 import dataclasses
@@ -24,8 +22,8 @@ import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.train import Model
 
-from fmnist import (checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, outputs,
-                    serving, settings, tracking)
+from fmnist import (checkpoints, common, data, distributed, metrics, model, monitor, outputs, serving, settings,
+                    tracking)
 from fmnist.common import log
 
 
@@ -55,7 +53,7 @@ def main(argv=None) -> int:
     laps = monitor.Laps()  # the phases before the first step, timed as they end
     try:
         cfg = settings.parse_config(argv)
-        job = join_job(cfg, fetch.load_checksums(cfg.checksums_file))
+        job = join_job(cfg, data.load_checksums(cfg.checksums_file))
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
@@ -103,18 +101,18 @@ def main(argv=None) -> int:
 
 def join_job(cfg, checksums):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
-    device_name = device.resolve_device(cfg.device)
+    device_name = distributed.resolve_device(cfg.device)
     amp_level = settings.resolve_amp(cfg.amp, device_name)
     loss_scaling = settings.resolve_loss_scale(cfg.loss_scale, amp_level, device_name)
-    isa_cap = device.cap_onednn_isa() if device_name == "CPU" else None
+    isa_cap = distributed.cap_onednn_isa() if device_name == "CPU" else None
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device_name)
     rank, local_rank, world_size = distributed.init_distributed()
     common.configure_logging(rank)
     local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
-    threads = device.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
+    threads = distributed.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
-    job = Job(cfg, checksums, device_name, amp_level, loss_scaling, isa_cap, device.cpu_description(),
+    job = Job(cfg, checksums, device_name, amp_level, loss_scaling, isa_cap, distributed.cpu_description(),
               distributed.Collective(rank, local_rank, world_size), local_workers, threads)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "
@@ -124,8 +122,8 @@ def join_job(cfg, checksums):
 
 
 def get_data(job):
-    """The train and test splits on every rank, fetched by one worker per node (nodes need not share a file
-    system) while the others wait. Returns the splits and where each file came from."""
+    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), and
+    where each file came from."""
     cfg, collective = job.cfg, job.collective
     fetch_here = collective.is_local_main and (lambda: data.make_available(cfg, job.checksums, say=log.info))
     sources = collective.wait_for(fetch_here or None) or {}
@@ -143,8 +141,8 @@ def shard(job, splits):
 
 
 def build_model(job, test_metrics):
-    """The network, its loss, the optimizer and mixed precision, as one Model; the gradients are averaged across
-    ranks (init_distributed set data-parallel mode)."""
+    """The network, its loss, the optimizer and mixed precision as one Model (data-parallel: init_distributed
+    set gradients to be averaged across ranks)."""
     cfg = job.cfg
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
@@ -167,9 +165,8 @@ def build_model(job, test_metrics):
 
 
 def resume(job, trainer):
-    """The newest good checkpoint of this same training, loaded into the network and optimizer (None with
-    --resume never or none found), this training's trajectory, which its checkpoints record, and the Position
-    every rank starts from."""
+    """The newest good checkpoint of this training loaded (None: --resume never, or none), the trajectory its
+    checkpoints record, and the Position every rank starts from."""
     directory = job.cfg.output_dir / "checkpoints"
     current = checkpoints.trajectory(job.cfg, {**job.resolved, "data_sha256": job.checksums}, trainer.train_network)
     resumed = None
@@ -179,15 +176,14 @@ def resume(job, trainer):
 
 
 def compile_step(trainer, shards):
-    """The training step, compiled before Model.fit so that its cost is not hidden in the first step (Model.fit
-    reuses the compiled graph: the inputs have the same shapes and types)."""
+    """The training step compiled before Model.fit, which reuses the graph, so that its cost shows apart."""
     trainer.train_network.set_train()
     trainer.train_network.compile(Tensor(shards.images[:shards.batch_size]), Tensor(shards.labels[:shards.batch_size]))
 
 
 def train(job, trainer, shards, test_ds, callbacks, start):
-    """Model.fit from `start`, validating after every epoch: first the rest of an interrupted epoch as a fit of
-    its own (MindSpore fixes a dataset's length for all its epochs), then the whole epochs left."""
+    """Model.fit from `start`, validating after each epoch: the rest of an interrupted epoch as a fit of its own
+    (MindSpore fixes a dataset's length for all its epochs), then the whole epochs left."""
     fit = {"valid_dataset": test_ds, "valid_frequency": 1, "callbacks": callbacks, "dataset_sink_mode": False}
     epoch = start.epoch
     if start.step and epoch < job.cfg.epochs:
@@ -198,10 +194,8 @@ def train(job, trainer, shards, test_ds, callbacks, start):
 
 
 def start_tracking(job, resumed, splits, sources):
-    """Rank 0's tracking: the run's start in the journal, with every setting and what the job resolved as
-    parameters, MLflow's system tags and the datasets; online, the run created (or continued) before training.
-    A refused start (credentials, permissions, the URI) is bad input on every rank. On nodes after the first,
-    the first worker sends its node's system metrics to the run."""
+    """Rank 0 journals the run's start (settings, system tags, datasets) and, online, creates or continues the
+    run before training: a refused start is bad input on every rank. Further nodes watch their own system."""
     cfg, collective = job.cfg, job.collective
     node = f"node{os.environ.get('NODE_RANK', '0')}"  # in system metrics' names (run.sh exports NODE_RANK)
     tracker = tracking.NullTracker()
@@ -232,9 +226,8 @@ def start_tracking(job, resumed, splits, sources):
 
 
 def stop_early(job, exc, trainer, progress, saver, tracker):
-    """The job ends without results. Divergence (exit 3) and SIGTERM or SIGINT (128 + the signal) stop every rank
-    at the same step, and on a signal rank 0 checkpoints it while the others wait; a full disk (exit 4) is rank
-    0's alone, the one writer, whose exit ends the others."""
+    """The job ends without results. Divergence (exit 3) and a signal (128 + it) stop every rank at the same
+    step, which rank 0 checkpoints on a signal; a full disk (exit 4) is rank 0's, the one writer's, alone."""
     checkpoint_dir = job.cfg.output_dir / "checkpoints"
     if isinstance(exc, common.DiskFull):
         log.error("%s", exc)
@@ -264,8 +257,7 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 
 
 def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
-    """The job's results, measured on every rank (the gathers are collectives) and written by rank 0. Exit 1
-    if the replicas diverged."""
+    """The results, measured on every rank (gathers) and written by rank 0; exit 1 if the replicas differ."""
     cfg, collective = job.cfg, job.collective
     test_images = splits.test.images
     if progress.confusion is None:  # every epoch was done before this run: evaluate the final model once

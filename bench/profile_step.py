@@ -37,11 +37,11 @@ def mindspore_step(steps, before_timing=None):
     from mindspore import Tensor, nn  # pylint: disable=import-outside-toplevel
     from mindspore.train import Model  # pylint: disable=import-outside-toplevel
 
-    from fmnist import data, device, model  # pylint: disable=import-outside-toplevel
-    device.cap_onednn_isa()
+    from fmnist import data, distributed, model  # pylint: disable=import-outside-toplevel
+    distributed.cap_onednn_isa()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    device.bind_to_cores({sorted(os.sched_getaffinity(0))[-1]})
+    distributed.bind_to_cores({sorted(os.sched_getaffinity(0))[-1]})
     ms.device_context.cpu.op_tuning.threads_num(1)
     ms.set_seed(42)
     net = model.build_network(len(data.CLASS_NAMES))

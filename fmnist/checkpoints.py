@@ -1,11 +1,8 @@
-"""Checkpoints and exact resume. Rank 0 writes one at the end of each epoch, one every --checkpoint-steps steps
-and one when the ranks agree to stop; each holds the weights, the optimizer state, where the training was (the
-epoch, the step within it: the data order follows from them) and the settings that shaped it. Each is whole
-or absent and CRC-checked. A restart continues from the newest good one, and refuses one of another training.
-
-Names sort as the training went: epoch-0002.ckpt is epoch 2 done (and validated), epoch-0003-step-000016.ckpt
-is 16 steps into epoch 3.
-"""
+"""Checkpoints and exact resume. Rank 0 writes one at each epoch's end, every --checkpoint-steps steps and when
+the ranks agree to stop: the weights, the optimizer state, the epoch and step (the data order follows from them)
+and the settings that shaped the training, CRC-checked, whole or absent. A restart continues from the newest
+good one and refuses another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16
+steps into epoch 3."""
 
 import concurrent.futures
 import dataclasses
@@ -78,9 +75,8 @@ def newest_first(directory):
 
 
 def trajectory(cfg, resolved, train_network):
-    """What decides the course of a training: every setting not free to change on resume, what the job
-    resolved (amp level, loss scaling, world size, the data's checksums), and the parameters' shapes, which
-    cover the model and the optimizer state."""
+    """What decides a training's course: the settings not free on resume, what the job resolved (amp, loss
+    scaling, world size, the data's checksums), and the parameters' shapes (the model and the optimizer)."""
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
     return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in settings.FREE_ON_RESUME}, **resolved,
             "parameter_shapes": shapes}
@@ -104,10 +100,9 @@ def resume_conflicts(meta, current):
 
 
 def load_latest_checkpoint(directory, train_network, current):
-    """Load the newest checkpoint that reads back whole into `train_network` (weights and optimizer state);
-    a corrupt or partial one is skipped with a warning. Returns Resumed, or None. A checkpoint of another
-    training (other settings, model, world size or job version) raises UsageError naming every difference:
-    continuing it with this job's settings would produce a model that no run describes."""
+    """Resumed from the newest checkpoint that loads whole into `train_network` (a corrupt one is skipped with
+    a warning), or None. Another training's is UsageError naming every difference: continued with this job's
+    settings, it would make a model that no run describes."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -124,23 +119,20 @@ def load_latest_checkpoint(directory, train_network, current):
         if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
             raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
                                     f"{missing[0]}; start fresh with --resume never")
+        try:
+            step, when = Path(directory, RECORD).read_text().split()
+            last_step = int(step), float(when)
+        except (OSError, ValueError):
+            last_step = None
         # Format 2 had neither the step nor the restart count: it was written at an epoch's end.
         return Resumed(path, Position(meta["epoch"], meta.get("step", 0)), meta.get("restarts", 0), meta["history"],
-                       [tuple(p) for p in meta["loss_points"]], read_record(directory))
+                       [tuple(p) for p in meta["loss_points"]], last_step)
     return None
-
-
-def read_record(directory):
-    try:
-        step, when = Path(directory, RECORD).read_text().split()
-        return int(step), float(when)
-    except (OSError, ValueError):
-        return None
 
 
 def agree_on_resume(collective, resumed, directory, epochs):
     """The Position every rank resumes from (Position(): a fresh start); UsageError when the ranks found
-    different checkpoints, as nodes that do not share the output directory would. A collective."""
+    different checkpoints, as nodes that share no output directory would. A collective."""
     start = resumed.position if resumed else Position()
     agreed = collective.all_gather([start.epoch, start.step])
     if (agreed != agreed[0]).any():
@@ -153,14 +145,11 @@ def agree_on_resume(collective, resumed, directory, epochs):
 
 
 class CheckpointSaver(Callback):
-    """Rank 0's checkpoints: at each epoch's end, every `every_steps` steps (0: never mid-epoch) and, through
-    save_now(), when the job stops. It keeps the newest `keep`; only one process ever writes a checkpoint file.
-    After every step it records the step and the time in RECORD (one small write in place, no fsync: it outlives
-    the process, kill -9 included), from which the next start measures what its restart cost.
-
-    A save copies the parameters on the training thread (about a millisecond for LeNet and its optimizer) and
-    writes them on a thread of its own, so the next steps run while the file is written. At most one write is
-    in flight: a save waits for the previous one, and raises its error (a full disk) there."""
+    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and at a stop
+    (save_now). A save copies the parameters (a millisecond for LeNet) and writes them on a thread while the
+    next steps run; one write at a time, whose error (a full disk) the next save or step raises. After each step
+    it records the step and time in RECORD (a small write in place that outlives a kill -9): the next start
+    measures its restart's cost from it."""
 
     def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
         super().__init__()
@@ -188,14 +177,13 @@ class CheckpointSaver(Callback):
         self.save(run_context.original_args().train_network, Position(run_context.original_args().cur_epoch_num))
 
     def mark(self):
-        """Record the newest finished step and the time: the next start measures its restart from here."""
         step = self.progress.position.global_step(self.progress.steps_per_epoch)
         with common.space_for(self.directory / RECORD):  # the first write takes a block: the volume may be full
             os.pwrite(self._record, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
 
     def log_restart_cost(self, step):
-        """Restart number `restarts`: the steps trained before the stop but not in the checkpoint resumed from,
-        and the seconds from the stop (its last step) to this first new step."""
+        """The steps trained before the stop but not in the checkpoint resumed from, and the seconds from the
+        stop's last step to this first new one."""
         last = self.resumed.last_step
         resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
         cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}

@@ -42,6 +42,13 @@ def first_line(exc):
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
+def duration(seconds):
+    """A time for a person to read: '45 s', '12 min 5 s', '2 h 3 min'."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
 def start_thread(target, *args):
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -55,9 +62,8 @@ def configure_logging(rank):
 
 @contextlib.contextmanager
 def atomic_path(path, suffix=""):
-    """A temporary name beside `path` for any writer, renamed to `path` when the block succeeds and removed
-    when it fails: `path` is absent or complete, never half-written. `suffix` is for writers that insist on
-    one (MindSpore's checkpoint and MindIR writers); the random part is letters and digits."""
+    """A temporary name beside `path` for any writer, renamed to `path` when the block succeeds and removed when
+    it fails: `path` is complete or absent. `suffix` is for writers that insist on one (MindSpore's)."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
     with space_for(path):
@@ -98,13 +104,11 @@ def write_json(path, data):
     write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
-def hold_lock(path, what, wait=False):
-    """An exclusive flock on `path`, whose text names the holder; returns the open file, which holds it.
-
-    flock, because the kernel releases it when the holder dies however it dies (kill -9, OOM), so a restart is
-    never blocked by a stale lock; NFS clients map it onto NFS locks, which the server drops when the client's
-    lease lapses. Without `wait`, UsageError naming `what` and its holder when another process holds it.
-    """
+def hold_lock(path, what, wait=False, probe=False):
+    """An exclusive flock on `path`, whose text names the holder; the open file holds it (and is a context
+    manager). flock, because the kernel drops it when its holder dies however it dies, so no stale lock blocks
+    a restart (NFS maps it onto its leases). Without `wait`, UsageError naming `what` and its holder when another
+    process holds it. A `probe` takes it shared, so it leaves the holder's text alone."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,28 +116,20 @@ def hold_lock(path, what, wait=False):
     except OSError as exc:
         raise UsageError(f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(lock, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "another job"
         lock.close()
         raise UsageError(f"{what} is in use by {holder}; wait for that job to end, or give another "
                          f"{what.split()[0] if what.startswith('--') else 'directory'}") from None
-    with space_for(path):
-        lock.truncate(0)
-        lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
-        lock.flush()
+    if not probe:
+        with space_for(path):
+            lock.truncate(0)
+            lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+            lock.flush()
     return lock
-
-
-@contextlib.contextmanager
-def locked(path, what, wait=False):
-    lock = hold_lock(path, what, wait)
-    try:
-        yield
-    finally:
-        lock.close()
 
 
 class Journal:

@@ -3,6 +3,7 @@ read, how images become the network's input, and how each rank gets its own shar
 
 What the rest of the job relies on:
     CLASS_NAMES                 the label of each class index
+    load_checksums(path)        each file's expected SHA-256: Fashion-MNIST's, or those of --checksums-file
     make_available(cfg, ...)    the files in cfg.data_dir, on one worker per node; returns where each came from
     load_splits(dir)            Splits: the train and test Split, each images uint8 [N, H, W(, C)] and
                                 integer labels [N]
@@ -19,6 +20,7 @@ import numpy as np
 import mindspore as ms
 
 from . import common, fetch
+from .fetch import load_checksums  # noqa: F401 (part of the seam above)
 
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")

@@ -1,11 +1,15 @@
-"""Data parallelism across the msrun job: joining it, the collectives the job needs, the replicas' weight check,
-and the agreement by which every rank stops at the same step on SIGTERM."""
+"""This worker's place in the msrun job: its device and its share of the CPU, joining the job, the collectives
+the job needs, the replicas' weight check, and the agreement by which every rank stops at the same step."""
 
 import concurrent.futures
 import hashlib
+import logging
+import math
 import os
+import platform
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -15,58 +19,128 @@ from mindspore.communication import get_group_size, get_rank, init
 
 from . import common
 
+# oneDNN picks slow convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs; its AVX2 kernels are
+# several times faster (docs/performance.md). A user's own cap wins.
+ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
 GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A node learns that every node has joined, and leaves the job, at its heartbeat to msrun's scheduler: by
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 POLL_S = 0.2  # between the small gathers of Collective.wait_for
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def resolve_device(requested):
+    if requested != "auto":
+        return requested
+    # is_available() warns about the missing Ascend plugin on every CPU machine; that is the expected case here.
+    quiet = logging.getLogger(ms.log._get_logger().name)  # pylint: disable=protected-access
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
+    finally:
+        quiet.setLevel(level)
+
+
+def cap_onednn_isa(environ=os.environ, machine=None):
+    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64, set before MindSpore's first CPU kernel
+    reads it. None elsewhere."""
+    for name in ONEDNN_ISA_VARS:
+        if environ.get(name):
+            return environ[name]
+    if (machine or platform.machine()).lower() not in ("x86_64", "amd64"):
+        return None
+    environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    return "AVX2"
+
+
+def cpu_description(cpuinfo="/proc/cpuinfo"):
+    """The CPU model and the ISA flags that decide oneDNN's kernels, so figures from two hosts compare."""
+    try:
+        first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "flags": []}
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", platform.machine()),
+            "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
+
+
+def usable_cores(cgroup_cpu_max="/sys/fs/cgroup/cpu.max"):
+    """This process's cores, cut to its cgroup's CPU quota: a Kubernetes CPU limit leaves every core in the
+    affinity mask but only the quota's worth of time."""
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        quota, period = Path(cgroup_cpu_max).read_text().split()
+        return cores[:max(1, math.ceil(int(quota) / int(period)))]
+    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
+        return cores
+
+
+def worker_cores(cores, local_rank, local_workers):
+    """Disjoint blocks of `cores`, one per worker of this machine; one core each in turn if they are fewer."""
+    if len(cores) < local_workers:
+        return [cores[local_rank % len(cores)]]
+    share = len(cores) // local_workers
+    return cores[local_rank * share:(local_rank + 1) * share]
+
+
+def bind_to_cores(cores):
+    """Bind the calling thread, and every thread it starts later, to `cores`. MindSpore's threads spin while they
+    wait: unbound, two workers' threads take turns with each other's kernels (docs/performance.md)."""
+    os.sched_setaffinity(0, cores)
+
+
+def set_up_worker(device, local_rank, local_workers, bind, threads):
+    """This worker's cores (bound before MindSpore starts the pools that inherit the binding) and `threads`
+    threads, or one per core of its share, for the kernels and the data pipeline. Returns the thread count."""
+    cores = worker_cores(usable_cores(), local_rank, local_workers)
+    threads = threads or len(cores)
+    if device == "CPU":
+        if bind:
+            bind_to_cores(cores)
+        ms.device_context.cpu.op_tuning.threads_num(threads)
+    ms.dataset.config.set_num_parallel_workers(threads)
+    return threads
 
 
 def init_distributed():
-    """Join the msrun job if there is one; returns (rank, local_rank, world_size), (0, 0, 1) for a lone
-    process. msrun numbers the workers of each node from 0 in DEVICE_ID."""
+    """Join the msrun job if there is one: (rank, local rank, world size), (0, 0, 1) for a lone process. The
+    backend follows the device: HCCL on Ascend, MindSpore's CPU collective on CPU. msrun's scheduler process
+    never returns from init(), which is why nothing costly happens before it."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
-    # The backend follows the device: HCCL on Ascend, MindSpore's CPU collective (mccl) on CPU.
-    # msrun's scheduler process never returns from here, which is why nothing costly happens before it.
     if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
         os.environ.update(HEARTBEAT_S)
     init()
     world_size = get_group_size()
-    # Averaged gradients, in one fused all-reduce for all of LeNet's gradients (240 KB) instead of one per
-    # parameter.
+    # Averaged gradients, in one fused all-reduce for all of LeNet's (240 KB) instead of one per parameter.
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  device_num=world_size, comm_fusion=GRADIENT_FUSION)
-    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size
+    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size  # msrun numbers a node's workers
 
 
 class Collective:
-    """The two collectives the job needs, for any world size, on numpy arrays, and who does what: rank 0
-    writes the job's results, each node's first worker makes the data available on its node.
-
-    AllGather is used for reductions too because on CPU AllReduce only takes float32, and the gathered
-    rows also give the per-rank view for free.
-    """
+    """The job's collectives on numpy arrays, for any world size, and who does what: rank 0 writes the results,
+    each node's first worker fetches the data. AllGather serves for reductions too: on CPU AllReduce takes only
+    float32, and the rows give the per-rank view."""
 
     def __init__(self, rank, local_rank, world_size):
         self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
-        self.is_local_main = local_rank == 0
+        self.is_main, self.is_local_main = rank == 0, local_rank == 0
         self._gather = ops.AllGather() if world_size > 1 else None
 
     def all_gather(self, array):
         """Rows of every rank, stacked: shape (world_size, *array.shape)."""
         array = np.asarray(array)
-        if self._gather is None:
-            return array[None]
-        return self._gather(Tensor(array[None])).asnumpy()
+        return array[None] if self._gather is None else self._gather(Tensor(array[None])).asnumpy()
 
     def wait_for(self, work=None):
-        """Run `work` (None: nothing) on this rank while every rank polls with small gathers until every rank's
-        work is done, then return its result or raise its error. MindSpore's CPU collective fails a receive that
-        waits longer than MS_NODE_TIMEOUT (run.sh sets 5 s, so that a dead worker ends the job fast): a rank
-        that waits for another's long work (a download, MLflow, a checkpoint) must not wait in one collective.
+        """Run `work` (None: nothing) on this rank while every rank polls with small gathers until all are done;
+        its result, or its error. MindSpore's CPU collective fails a receive that waits longer than
+        MS_NODE_TIMEOUT (5 s under run.sh), so no rank waits for another's long work in one collective.
         UsageError on the ranks whose own work went well when another rank's failed."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
@@ -76,18 +150,17 @@ class Collective:
                 if states.all():
                     break
                 time.sleep(POLL_S)
-        if future:
-            result = future.result()  # this rank's error, if it failed
+        result = future.result() if future else None  # this rank's error, if it failed
         if (states == 2).any():
-            time.sleep(1)  # the failed rank exits first, so msrun and run.sh report its status and its log
-            failed = int(np.argmax(states == 2))
-            raise common.UsageError(f"rank {failed} failed (its log says why); this rank stops too")
-        return result if future else None
+            time.sleep(1)  # the failed rank exits first, so that msrun and run.sh report its status and its log
+            raise common.UsageError(f"rank {int(np.argmax(states == 2))} failed (its log says why); this rank "
+                                    "stops too")
+        return result
 
     def broadcast_text(self, text, length=64):
         """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
         codes = np.zeros(length, dtype=np.int32)
-        codes[:len(text or "")] = list((text or "").encode("ascii"))
+        codes[:len(text)] = list(text.encode("ascii"))
         return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
 
 
@@ -115,12 +188,11 @@ class Terminated(Exception):
 
 
 class StopRequest:
-    """Turns SIGTERM and SIGINT during training into a request that the ranks agree on at the next log
-    interval (a rank stopping alone would leave the others waiting in a collective). Outside training the
-    signals keep their default effect: the process ends at once, and everything it writes is atomic."""
+    """SIGTERM and SIGINT during training, recorded for the ranks to agree on at the next log interval (a rank
+    stopping alone would leave the others in a collective). Outside training they end the process at once:
+    everything it writes is atomic."""
 
-    def __init__(self):
-        self.signum = 0
+    signum = 0
 
     def __enter__(self):
         for signum in STOP_SIGNALS:
@@ -128,8 +200,8 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc_info):
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _record(self, signum, frame):
         self.signum = signum

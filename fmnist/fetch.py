@@ -1,7 +1,6 @@
 """Getting the four IDX files into the data directory, verified, from the first source that has them: a copy
 already there, a system copy (Debian's dataset-fashion-mnist), or a download from a mirror. No MindSpore."""
 
-import functools
 import gzip
 import hashlib
 import math
@@ -29,27 +28,24 @@ DOWNLOAD_RETRIES = 3
 # mirror that would otherwise hold the job for days, one byte per read timeout. The official mirror gives MB/s.
 DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
 DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
-GZIP_MAGIC = b"\x1f\x8b"
+PROGRESS_S = 5  # between the progress lines of a download
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
 
 
 def content(raw, name="IDX data"):
     """The IDX bytes of a file, gzipped or not."""
-    if raw[:2] != GZIP_MAGIC:
-        return raw
     try:
-        return gzip.decompress(raw)
+        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
     except (OSError, EOFError) as exc:
         raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
 
 
 def parse_idx(raw, name="IDX data"):
-    """Decode an IDX file of unsigned bytes (gzipped or not) into an array; reject anything malformed."""
+    """An IDX file of unsigned bytes (gzipped or not) as an array; ValueError for anything malformed."""
     raw = content(raw, name)
     if len(raw) < 8:
         raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
-    magic = int.from_bytes(raw[:4], "big")
-    ndim = raw[3]
+    magic, ndim = int.from_bytes(raw[:4], "big"), raw[3]
     if IDX_MAGIC.get(ndim) != magic:
         raise ValueError(f"{name}: magic number 0x{magic:08x} is not an IDX file of unsigned bytes "
                          f"(expected 0x{IDX_MAGIC[1]:08x} or 0x{IDX_MAGIC[3]:08x})")
@@ -70,8 +66,7 @@ def load_checksums(path):
     except OSError as exc:
         raise common.UsageError(f"--checksums-file {path}: cannot read it ({exc.strerror})") from None
     sums = {}
-    for line in filter(None, (line.strip() for line in lines)):
-        digest, _, name = line.partition(" ")
+    for digest, _, name in (line.strip().partition(" ") for line in lines if line.strip()):
         sums[name.strip().lstrip("*").removesuffix(".gz")] = digest.lower()
     missing = sorted(set(FASHION_MNIST_SHA256) - set(sums))
     if missing:
@@ -81,7 +76,7 @@ def load_checksums(path):
 
 
 def check_file(raw, name, expected_sha256):
-    """Raise ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
+    """ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
     raw = content(raw, name)  # once: a gzipped file's checksum is its content's
     parse_idx(raw, name)
     actual = hashlib.sha256(raw).hexdigest()
@@ -91,54 +86,51 @@ def check_file(raw, name, expected_sha256):
 
 def local_copy(directory, name):
     """The file for `name` in `directory` (.gz or decompressed), or None."""
-    for candidate in (Path(directory) / f"{name}.gz", Path(directory) / name):
-        if candidate.is_file():
-            return candidate
-    return None
+    return next((p for p in (Path(directory) / f"{name}.gz", Path(directory) / name) if p.is_file()), None)
 
 
 class TooSlow(ConnectionError):
     """A transfer that trickles or outlasts its deadline: another attempt at the same mirror would too."""
 
 
-def check_pace(url, size, started, timeout, deadline):
-    elapsed = time.monotonic() - started
-    if elapsed > deadline:
-        raise TooSlow(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
-                      f"{deadline:g}")
-    if elapsed > timeout and size / elapsed < DOWNLOAD_MIN_BYTES_PER_S:
-        raise TooSlow(f"{url}: {size / elapsed:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
-                      f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
+def receive(url, response, timeout, deadline, say):
+    """The body of `response`, within the size cap, the minimum rate and the deadline, with a line every
+    PROGRESS_S seconds: the bytes so far, the rate and the time left."""
+    total = int(response.headers.get("Content-Length") or 0)
+    if total > DOWNLOAD_MAX_BYTES:
+        raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
+    chunks, size, started = [], 0, time.monotonic()
+    shown = started
+    # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
+    while chunk := response.read1(1 << 20):
+        chunks.append(chunk)
+        size += len(chunk)
+        now = time.monotonic()
+        elapsed, rate = now - started, size / max(now - started, 1e-9)
+        if size > DOWNLOAD_MAX_BYTES:
+            raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
+        if elapsed > deadline:
+            raise TooSlow(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
+                          f"{deadline:g}")
+        if elapsed > timeout and rate < DOWNLOAD_MIN_BYTES_PER_S:
+            raise TooSlow(f"{url}: {rate:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
+                          f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
+        if now - shown >= PROGRESS_S:
+            shown = now
+            left = f", {common.duration((total - size) / rate)} left" if total else ""
+            say(f"downloading {url}: {size / 2**20:.1f} of {total / 2**20:.1f} MiB, {rate / 2**20:.2f} MiB/s{left}")
+    if total and size != total:
+        raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
+    return b"".join(chunks)
 
 
 def download(url, timeout, say=print, deadline=600.0):
-    """Bytes at `url`, with retries on transient failures, a size cap, a progress line for big files, and
-    bounded time: `timeout` per read, `deadline` in all, and a minimum average rate.
-
-    urllib3's Retry would cover the retries of the request itself, but not a body cut or stalled half-way,
-    which is where the size, rate and deadline bounds act; one loop here covers both.
-    """
+    """The bytes at `url`: `timeout` per read, `deadline` in all, DOWNLOAD_RETRIES attempts for transient
+    failures. urllib3's Retry would cover the request, not a body cut or stalled half-way: one loop does both."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
-            started = time.monotonic()
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
-                total = int(response.headers.get("Content-Length") or 0)
-                if total > DOWNLOAD_MAX_BYTES:
-                    raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
-                chunks, size, shown = [], 0, 0
-                # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
-                while chunk := response.read1(1 << 20):
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    check_pace(url, size, started, timeout, deadline)
-                    if size > DOWNLOAD_MAX_BYTES:
-                        raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
-                    if total > (4 << 20) and size * 10 // total > shown:
-                        shown = size * 10 // total
-                        say(f"downloading {url}: {size >> 20} of {total >> 20} MiB")
-                if total and size != total:
-                    raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
-                return b"".join(chunks)
+                return receive(url, response, timeout, deadline, say)
         except TooSlow:
             raise
         except urllib.error.HTTPError as exc:
@@ -146,17 +138,15 @@ def download(url, timeout, say=print, deadline=600.0):
                 raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as exc:
             if attempt == DOWNLOAD_RETRIES:
-                reason = getattr(exc, "reason", exc)
-                raise ConnectionError(f"{url}: {reason} (after {attempt} attempts)") from None
+                raise ConnectionError(f"{url}: {getattr(exc, 'reason', exc)} (after {attempt} attempts)") from None
         time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
     raise AssertionError("unreachable")
 
 
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0):
-    """Make a verified copy of one IDX file exist in data_dir, from the first source that has one; returns
-    where it came from: the URL for a mirror, the directory for a local copy."""
-    data_dir = Path(data_dir)
-    failures = []
+    """A verified copy of one IDX file in data_dir from the first source that has one; returns where it came
+    from: the URL of a mirror, the directory of a local copy."""
+    data_dir, failures = Path(data_dir), []
     present = local_copy(data_dir, name)
     if present:
         try:
@@ -165,32 +155,21 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
         except ValueError as exc:
             failures.append(str(exc))
             say(f"warning: {exc}; fetching it again")
-
-    def from_dir(directory):
-        path = local_copy(directory, name)
-        return (path.read_bytes(), data_dir / path.name, str(Path(directory).resolve())) if path else None
-
-    def from_mirror(url):
-        url = f"{url.rstrip('/')}/{name}.gz"
-        return download(url, timeout, say, deadline), data_dir / f"{name}.gz", url
-
-    sources = [(str(Path(d).resolve()), functools.partial(from_dir, d)) for d in system_dirs]
-    sources += [(url, functools.partial(from_mirror, url)) for url in mirrors]
-    for source, get in sources:
+    found = [(str(Path(d).resolve()), local_copy(d, name)) for d in system_dirs]
+    sources = [(d, copy) for d, copy in found if copy] + [(f"{url.rstrip('/')}/{name}.gz", None) for url in mirrors]
+    for source, copy in sources:
         try:
-            got = get()
-            if got is None:
-                continue
-            raw, target, origin = got
+            raw = copy.read_bytes() if copy else download(source, timeout, say, deadline)
             check_file(raw, f"{name} from {source}", expected)
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
             continue
+        target = data_dir / (copy.name if copy else f"{name}.gz")
         if present and present != target:
             present.unlink()  # the bad copy would shadow or confuse the good one
         common.write_atomic(target, raw)
         say(f"{name}: verified copy from {source}")
-        return origin
+        return source
     raise common.UsageError(
         f"cannot obtain {name}: " + "; ".join(failures or ["no source has it"]) + ". Sources tried: "
         f"{', '.join(map(str, [data_dir, *system_dirs, *mirrors]))}. Provide the data with --data-dir "
@@ -207,8 +186,8 @@ def is_verified(data_dir, name, expected):
 
 
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
-    """Make the four verified IDX files exist in data_dir; no network request when they already do. Returns
-    where each came from: {name: the data dir, a system directory, or the mirror URL}."""
+    """The four verified IDX files in data_dir, with no request when they are there already; returns where each
+    came from: {name: the data dir, a system directory, or the mirror's URL}."""
     data_dir = Path(data_dir)
     sources = {name: str(data_dir.resolve()) for name in checksums if is_verified(data_dir, name, checksums[name])}
     missing = [name for name in checksums if name not in sources]
@@ -217,7 +196,7 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
-        with common.locked(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
+        with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             for name in missing:
                 sources[name] = fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say,
                                            deadline)

@@ -14,7 +14,7 @@ class MaxPool2x2(nn.Cell):
 
     On CPU, an even-sized input is pooled as adaptive max-pooling to half its size, which tiles it with the
     same 2x2 windows. That is MindSpore's own kernel; nn.MaxPool2d is oneDNN's, which for plain NCHW under the
-    job's AVX2 cap (fmnist/device.py) is its reference code, and slow (docs/performance.md, "Where a step
+    job's AVX2 cap (fmnist/distributed.py) is its reference code, and slow (docs/performance.md, "Where a step
     goes"). Elsewhere, and for odd sizes, it is nn.MaxPool2d itself.
     """
 

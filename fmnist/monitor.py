@@ -1,5 +1,5 @@
-"""The training callback every rank runs: it measures the job's figures (the gathers are collectives), prints
-them and hands them to the tracker on rank 0, and stops every rank together on divergence or SIGTERM."""
+"""The training callback every rank runs: it measures the job's figures (gathers), prints them and journals them
+on rank 0, publishes Progress, and stops every rank together on divergence or SIGTERM."""
 
 import dataclasses
 import math
@@ -15,16 +15,10 @@ from . import checkpoints, distributed
 from .common import log
 
 
-# The divergence rule, for a softmax cross-entropy over C classes, whose untrained value is ln C. Any one of
-# these, with --divergence-check on, stops every rank as a non-finite loss does:
-EXPLODED = 10  # a training loss over 10 ln C (23 for ten classes): the weights are blowing up
-# At the end of every epoch from 200 steps on (an epoch of the defaults is 468), a validation accuracy of at most
-# 1.2 / C, or a validation loss of at least 0.98 ln C (an untrained network's is ln C, give or take 1 %), is a
-# network that has not learned: dead ReLUs after an explosion, or a learning rate too small to move it.
-# Healthy runs of the defaults are at 0.75 after epoch 1, with a loss of 0.6.
-JUDGED_AFTER_STEPS = 200
-CHANCE_MARGIN = 1.2
-UNTRAINED_LOSS_MARGIN = 0.98
+# With --divergence-check on, besides a non-finite loss: a training loss over 10 ln C (C classes; an untrained
+# network's is ln C) is blowing up; and from 200 steps on, an epoch that ends at most 1.2 / C accurate or at
+# least 0.98 ln C in loss has learned nothing (dead ReLUs, or a learning rate too small to move it).
+EXPLODED, JUDGED_AFTER_STEPS, CHANCE_MARGIN, UNTRAINED_LOSS_MARGIN = 10, 200, 1.2, 0.98
 
 
 class Diverged(Exception):
@@ -43,7 +37,7 @@ class Diverged(Exception):
 
 @dataclasses.dataclass
 class Progress:
-    """What the monitor publishes as the training goes, for the checkpoints and the report to read."""
+    """What the monitor publishes as the training goes, for the checkpoints and the report."""
 
     steps_per_epoch: int
     position: checkpoints.Position = checkpoints.Position()  # counted on from the checkpoint resumed from
@@ -75,9 +69,8 @@ class Laps:
 
 
 class TrainingMonitor(Callback):
-    """Measures the job's figures on every rank (the gathers are collectives), prints them on rank 0 and
-    hands them to the tracker: training loss averaged across ranks, per-rank loss, samples/s, and the
-    per-epoch validation loss and accuracy over the full test set."""
+    """The training loss (mean and per rank) and samples/s every log interval, and each epoch's validation
+    figures over the whole test set."""
 
     def __init__(self, collective, tracker, epochs, progress, global_batch, log_interval, laps, num_classes=10,
                  check_learning=True, stop=None):

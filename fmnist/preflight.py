@@ -47,14 +47,13 @@ def check(argv, world_size):
     cfg = settings.parse_config(argv)
     checksums = fetch.load_checksums(cfg.checksums_file)
     if cfg.loss_scale == "dynamic":  # the one setting the device decides on, so the one check that needs MindSpore
-        from . import device  # pylint: disable=import-outside-toplevel
-        target = device.resolve_device(cfg.device)
+        from . import distributed  # pylint: disable=import-outside-toplevel
+        target = distributed.resolve_device(cfg.device)
         settings.resolve_loss_scale(cfg.loss_scale, settings.resolve_amp(cfg.amp, target), target)
     usable_dir(cfg.output_dir, "--output-dir")
     lock = cfg.output_dir / ".lock"
     if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
-        with common.locked(lock, f"--output-dir {cfg.output_dir}"):
-            pass
+        common.hold_lock(lock, f"--output-dir {cfg.output_dir}", probe=True).close()
     counts = data_counts(cfg.data_dir, checksums)
     if counts is None:
         usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there

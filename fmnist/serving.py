@@ -11,7 +11,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
 
-from . import common, data, device, metrics, model
+from . import common, data, distributed, metrics, model
 
 
 def export_mindir(net, path):
@@ -140,5 +140,5 @@ class ServedModel:
 
 def _load_pyfunc(path):
     """MLflow's entry point for this module as a pyfunc loader_module: the model from its MindIR at `path`."""
-    device.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
+    distributed.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
     return ServedModel(path)

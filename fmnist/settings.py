@@ -17,7 +17,7 @@ DEVICES = ("auto", "Ascend", "CPU")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
 
 
-def positive(value):
+def positive(value):  # a check: a value -> what is wrong with it, or None
     return None if value > 0 else "must be positive"
 
 
@@ -39,10 +39,8 @@ def loss_scale_mode(value):
 
 
 def setting(default, help, env="", choices=(), check=None, free_on_resume=False):  # noqa: A002 (argparse's word)
-    """A field of Config: its default, its help, its variable (the flag in capitals unless given), its choices,
-    its check (value -> what is wrong, or None), and whether a resumed training may change it. Settings free on
-    resume say where things are, how progress shows and how long to train; the others shape the training and
-    must match the checkpoint's."""
+    """A field of Config: its default, help, variable (the flag in capitals unless given), choices, check, and
+    whether a resume may change it (where things are, how progress shows, how long to train: not its shape)."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices,
                                                          "check": check, "free_on_resume": free_on_resume})
 
@@ -126,7 +124,7 @@ def variable(field):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, with its errors in one line (not the whole usage) and the exit status 2 it already uses."""
+    """argparse, with its errors in one line, not the whole usage."""
 
     def error(self, message):
         self.exit(common.EXIT_USAGE, f"error: {message} (see python main.py --help)\n")
@@ -167,11 +165,8 @@ def resolve_amp(amp, device):
 
 
 def resolve_loss_scale(loss_scale, amp_level, device):
-    """The loss scaling the job uses: "none", "dynamic", or "fixed:<scale>".
-
-    auto follows MindSpore's own defaults per level (dynamic for O2) on Ascend. On CPU MindSpore refuses
-    dynamic scaling, so auto is none there, which is what the article does with O2.
-    """
+    """"none", "dynamic" or "fixed:<scale>". auto is MindSpore's default per level on Ascend (dynamic for O2),
+    and none on CPU, where MindSpore refuses dynamic scaling."""
     if loss_scale == "auto":
         return "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
     if loss_scale == "dynamic" and device == "CPU":
@@ -186,9 +181,8 @@ def fixed_loss_scale(mode):
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
-    """The settings that must agree with the data and the world size: a step's global batch fits the training
-    set, a log interval (the ranks' agreement on the loss and on stopping) falls within an epoch, and every
-    rank has test images to evaluate. UsageError naming the setting and its limit."""
+    """UsageError naming the setting and its limit unless a step's global batch fits the training set, a log
+    interval (where the ranks agree on stopping) fits an epoch, and every rank has test images."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
                                 "each evaluate a share of it: use fewer workers")

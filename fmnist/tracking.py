@@ -284,7 +284,7 @@ def main(argv=None):
     try:
         if not (args.output_dir / JOURNAL).exists():
             raise common.UsageError(f"{args.output_dir} holds no MLflow journal ({JOURNAL})")
-        with common.locked(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends its own
+        with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends its own
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
             sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
     except (common.UsageError, Refused) as exc:

@@ -2,6 +2,7 @@
 
 import gzip
 import hashlib
+import re
 import subprocess
 import sys
 import time
@@ -139,12 +140,18 @@ def test_size_cap_stops_an_oversized_download(tmp_path, dataset, mirror, monkeyp
     assert data_files(tmp_path) == []
 
 
-def test_large_download_reports_progress(tmp_path, mirror):
-    body = gzip.compress(bytes(range(256)) * (5 << 12), compresslevel=0)  # 5 MiB, over the progress threshold
+def test_a_slow_download_reports_its_bytes_rate_and_time_left(monkeypatch, mirror):
+    monkeypatch.setattr(fetch, "PROGRESS_S", 0.5)
+    body = gzip.compress(bytes(range(256)) * (1 << 12), compresslevel=0)  # 1 MiB at 320 KiB/s: about 3 s
     mirror.files["big.gz"] = body
     lines = []
-    assert fetch.download(f"{mirror.url}/good/big.gz", 5.0, say=lines.append) == body
-    assert lines and lines[-1].endswith("5 of 5 MiB")
+    assert fetch.download(f"{mirror.url}/steady/big.gz", 5.0, say=lines.append) == body
+    assert len(lines) >= 3, lines  # one line per interval, not one per chunk
+    pattern = r"downloading \S+/big\.gz: (\d+\.\d) of 1\.0 MiB, 0\.\d\d MiB/s, (\d+) s left"
+    progress = [re.fullmatch(pattern, line) for line in lines]
+    assert all(progress), lines
+    assert [float(m.group(1)) for m in progress] == sorted(float(m.group(1)) for m in progress)
+    assert int(progress[0].group(2)) >= int(progress[-1].group(2))
 
 
 def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):

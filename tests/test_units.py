@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import main
-from fmnist import checkpoints, common, data, device, distributed, fetch, metrics, model, monitor, settings, tracking
+from fmnist import checkpoints, common, data, distributed, fetch, metrics, model, monitor, settings, tracking
 from conftest import ROOT, idx_bytes, make_split, small_volume
 
 
@@ -203,10 +203,10 @@ def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
 
 def test_workers_get_disjoint_shares_of_the_cores():
     cores = list(range(8))
-    assert [device.worker_cores(cores, rank, 2) for rank in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [device.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    assert [device.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
-    assert device.worker_cores([5], 0, 1) == [5]
+    assert [distributed.worker_cores(cores, rank, 2) for rank in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [distributed.worker_cores(cores, rank, 3) for rank in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [distributed.worker_cores([0, 1], rank, 4) for rank in range(4)] == [[0], [1], [0], [1]]
+    assert distributed.worker_cores([5], 0, 1) == [5]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell bound from unbound")
@@ -215,7 +215,7 @@ def test_binding_holds_the_caller_and_its_later_threads_and_leaves_running_threa
     release, seen = threading.Event(), {}
 
     def worker():  # stands for the main thread of a worker, which init() has given its collective's threads
-        device.bind_to_cores({core})
+        distributed.bind_to_cores({core})
         seen["caller"] = os.sched_getaffinity(0)
         later = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
         later.start()
@@ -233,32 +233,32 @@ def test_binding_holds_the_caller_and_its_later_threads_and_leaves_running_threa
 
 
 def test_usable_cores_follow_the_cgroup_quota(monkeypatch, tmp_path):
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda _: set(range(16)))
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("250000 100000\n")  # a limit of 2.5 CPUs
-    assert device.usable_cores(cpu_max) == [0, 1, 2]
+    assert distributed.usable_cores(cpu_max) == [0, 1, 2]
     cpu_max.write_text("max 100000\n")
-    assert device.usable_cores(cpu_max) == list(range(16))
-    assert device.usable_cores(tmp_path / "absent") == list(range(16))
+    assert distributed.usable_cores(cpu_max) == list(range(16))
+    assert distributed.usable_cores(tmp_path / "absent") == list(range(16))
 
 
 def test_onednn_isa_cap_defaults_to_avx2_on_x86_and_a_users_value_wins():
     environ = {}
-    assert device.cap_onednn_isa(environ, machine="x86_64") == "AVX2"
+    assert distributed.cap_onednn_isa(environ, machine="x86_64") == "AVX2"
     assert environ == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
-    for name in device.ONEDNN_ISA_VARS:
+    for name in distributed.ONEDNN_ISA_VARS:
         environ = {name: "AVX512_CORE"}
-        assert device.cap_onednn_isa(environ, machine="x86_64") == "AVX512_CORE"
+        assert distributed.cap_onednn_isa(environ, machine="x86_64") == "AVX512_CORE"
         assert environ == {name: "AVX512_CORE"}  # untouched
     environ = {}
-    assert device.cap_onednn_isa(environ, machine="aarch64") is None and environ == {}
+    assert distributed.cap_onednn_isa(environ, machine="aarch64") is None and environ == {}
 
 
 def test_cpu_description_reads_model_and_isa_flags(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f amx_tile\n\n"
                        "processor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
-    assert device.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
+    assert distributed.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
 
 
 @pytest.mark.parametrize("requested, amp, device, expected", [
