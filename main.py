@@ -37,7 +37,7 @@ class Job:
     amp_level: str
     loss_scaling: str
     isa_cap: str  # oneDNN's instruction-set cap on x86-64 CPUs, else None
-    cpu: dict  # the CPU model and the ISA flags that decide oneDNN's kernels
+    cpu: dict  # the CPU's model and ISA flags
     collective: distributed.Collective
     local_workers: int
     threads: int
@@ -50,7 +50,7 @@ class Job:
 
 
 def main(argv=None) -> int:
-    laps = monitor.Laps()  # the phases before the first step, timed as they end
+    laps = monitor.Laps()  # the phases before the first step
     try:
         cfg = settings.parse_config(argv)
         job = join_job(cfg, data.load_checksums(cfg.checksums_file))
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         if collective.is_main:  # held until this process ends, however it ends: the kernel drops it then
             lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}")  # noqa: F841
         splits, sources = get_data(job)
-        shards, test_ds = shard(job, splits)
+        shards, test_ds = data.shard(splits, cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
         test_metrics = metrics.test_metrics(collective, len(data.CLASS_NAMES))
         if cfg.predict:
             return serving.predict(cfg.predict, test_ds, test_metrics, collective.is_main)
@@ -130,14 +130,6 @@ def get_data(job):
     splits = data.load_splits(cfg.data_dir)
     settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
     return splits, sources
-
-
-def shard(job, splits):
-    """This rank's disjoint share of every training epoch, and its disjoint slice of the test set."""
-    cfg, collective = job.cfg, job.collective
-    shards = data.ShardBatches(data.to_model_input(splits.train.images), data.one_hot(splits.train.labels),
-                               cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
-    return shards, data.eval_dataset(splits.test, cfg.batch_size, collective.rank, collective.world_size)
 
 
 def build_model(job, test_metrics):
@@ -210,13 +202,9 @@ def start_tracking(job, resumed, splits, sources):
         if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
 
-        def start():
-            try:
-                tracker.start(cfg.experiment, cfg.run_name, {k: str(v) for k, v in params.items()},
-                              tags, tracking.dataset_entities(splits, job.checksums, sources),
-                              continues=resumed is not None)
-            except tracking.Refused as exc:
-                raise common.UsageError(str(exc)) from None
+        def start():  # a refusal is tracking.Refused, a UsageError
+            tracker.start(cfg.experiment, cfg.run_name, params, tags,
+                          tracking.dataset_entities(splits, job.checksums, sources), continues=resumed is not None)
     collective.wait_for(start if collective.is_main else None)
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
@@ -259,26 +247,28 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
     """The results, measured on every rank (gathers) and written by rank 0; exit 1 if the replicas differ."""
     cfg, collective = job.cfg, job.collective
-    test_images = splits.test.images
-    if progress.confusion is None:  # every epoch was done before this run: evaluate the final model once
-        progress.confusion = trainer.eval(test_ds, dataset_sink_mode=False)["confusion"]
+    history, final = progress.history, None
+    if progress.confusion is None:  # all trained before this run, maybe more epochs than asked: measure the model
+        final = trainer.eval(test_ds, dataset_sink_mode=False)
+        progress.confusion = final["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if not collective.is_main:
         return 0  # rank 0 reports a difference: an early exit here would end it before it writes the results
 
-    float32_net = model.build_network(len(data.CLASS_NAMES))  # the same weights without mixed precision
-    ms.load_param_into_net(float32_net, net.parameters_dict())
-    precision = metrics.mixed_precision(trainer.train_network, net, float32_net,
-                                        Tensor(data.to_model_input(test_images[:8])))
-    history = progress.history[:cfg.epochs]
+    if len(history) > cfg.epochs:
+        log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this job "
+                    "reports and writes", len(history), cfg.epochs)
+    precision = metrics.mixed_precision(trainer.train_network, net, model.build_network(len(data.CLASS_NAMES)),
+                                        Tensor(data.to_model_input(splits.test.images[:8])))
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
         "loss_scaling": job.loss_scaling, **precision,
         "cpu": {**job.cpu, "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
-        "epochs": cfg.epochs, "global_batch_size": cfg.batch_size * collective.world_size,
-        "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
+        "epochs": len(history), "global_batch_size": cfg.batch_size * collective.world_size,
+        "test_accuracy": final["accuracy"] if final else history[-1]["val_accuracy"],
+        "test_loss": final["loss"] if final else history[-1]["val_loss"], "test_samples": int(progress.confusion.sum()),
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at,
         "startup_phases_s": timing["startup_phases_s"], "fit_s": timing["fit_s"],
@@ -292,7 +282,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
     }
     outputs.write_all(cfg.output_dir, net, splits, progress, summary, cfg.seed, tracker, cfg.register_model)
     tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],
-                         "test_loss": summary["test_loss"]}, step=cfg.epochs)
+                         "test_loss": summary["test_loss"]}, step=len(history))
     tracker.finish("FINISHED" if identical else "FAILED")
     log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s", summary["test_accuracy"],
              summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}", summary["wall_s"],

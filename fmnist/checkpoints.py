@@ -55,8 +55,9 @@ def save_checkpoint(cell, path, extra=None):
 
 
 def checkpoint_path(directory, position):
-    name = f"epoch-{position.epoch:04d}" if not position.step else f"epoch-{position.epoch + 1:04d}-step-{position.step:06d}"
-    return Path(directory) / f"{name}.ckpt"
+    if not position.step:
+        return Path(directory) / f"epoch-{position.epoch:04d}.ckpt"
+    return Path(directory) / f"epoch-{position.epoch + 1:04d}-step-{position.step:06d}.ckpt"
 
 
 def position_of(path):
@@ -93,7 +94,8 @@ def resume_conflicts(meta, current):
         if saved.get(name) != current.get(name):
             was, now = saved.get(name), current.get(name)
             if name == "parameter_shapes":  # say which, not the whole table
-                differing = sorted(k for k in set(was or {}) | set(now or {}) if (was or {}).get(k) != (now or {}).get(k))
+                was, now = was or {}, now or {}
+                differing = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
                 was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"
             conflicts.append(f"{name}: was {was}, now {now}")
     return conflicts

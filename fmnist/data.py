@@ -8,8 +8,8 @@ What the rest of the job relies on:
     load_splits(dir)            Splits: the train and test Split, each images uint8 [N, H, W(, C)] and
                                 integer labels [N]
     to_model_input(images)      float32 [N, C, H, W], the network's input (training and serving alike)
-    ShardBatches, train_dataset, eval_dataset
-                                this rank's batches of (input, one-hot label), for Model.fit
+    shard(splits, ...)          this rank's ShardBatches of every training epoch and its slice of the test set
+    train_dataset, eval_dataset their batches of (input, one-hot label), for Model.fit
 """
 
 import copy
@@ -111,6 +111,13 @@ class ShardBatches:
         for start in range(self.skip * self.batch_size, per_rank, self.batch_size):
             batch = mine[start:start + self.batch_size]
             yield self.images[batch], self.labels[batch]
+
+
+def shard(splits, batch_size, rank, world_size, seed):
+    """This rank's disjoint share of every training epoch, and its disjoint slice of the test set."""
+    shards = ShardBatches(to_model_input(splits.train.images), one_hot(splits.train.labels), batch_size, rank,
+                          world_size, seed)
+    return shards, eval_dataset(splits.test, batch_size, rank, world_size)
 
 
 def train_dataset(shards, epoch=0, skip=0):

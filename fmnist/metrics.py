@@ -3,6 +3,7 @@ figure is the job's, never rank 0's shard alone."""
 
 import numpy as np
 
+import mindspore as ms
 from mindspore.train import Metric
 
 
@@ -72,8 +73,9 @@ def test_metrics(collective, num_classes):
 def mixed_precision(train_step, net, float32_net, images):
     """What mixed precision and loss scaling do in a train step as MindSpore built it, measured on it:
     features_dtype, the dtype the first layers compute in (float16 under O2 and O3; O1 casts back after each
-    layer); amp_logit_error, the largest change of the step's forward logits against `float32_net` (the same
-    weights in float32; 0 under O0); step_loss_scale, the factor its backward pass scales the loss by."""
+    layer); amp_logit_error, the largest change of the step's forward logits against `float32_net` (a fresh
+    network, given net's weights here; 0 under O0); step_loss_scale, the factor the backward pass scales by."""
+    ms.load_param_into_net(float32_net, net.parameters_dict())
     amp_forward = train_step.network._backbone  # pylint: disable=protected-access  (the network after amp)
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
     return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),

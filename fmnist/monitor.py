@@ -12,7 +12,7 @@ from mindspore import ops
 from mindspore.train import Callback
 
 from . import checkpoints, distributed
-from .common import log
+from .common import duration, log
 
 
 # With --divergence-check on, besides a non-finite loss: a training loss over 10 ln C (C classes; an untrained
@@ -113,7 +113,7 @@ class TrainingMonitor(Callback):
                 log.info("first step done %.1f s after start (%s)", progress.first_step_s,
                          ", ".join(f"{phase.replace('_', ' ')} {s:.1f}" for phase, s in self.laps.laps.items()))
         step = progress.position.global_step(self.steps_per_epoch)  # counts on across a resume
-        if step % self.log_interval == 0:
+        if step % self.log_interval == 0 or progress.position.step == self.steps_per_epoch:
             self._report_interval(cb, step)
 
     def _report_interval(self, cb, step):
@@ -134,8 +134,11 @@ class TrainingMonitor(Callback):
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
         if self.collective.is_main:
-            log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s", cb.cur_epoch_num, self.epochs,
-                     self.progress.position.step, self.steps_per_epoch, per_rank.mean(), f"{rate:,.0f}")
+            steps_per_s = rate / self.global_batch
+            log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s | epoch ends in %s, training in %s",
+                     cb.cur_epoch_num, self.epochs, self.progress.position.step, self.steps_per_epoch, per_rank.mean(),
+                     f"{rate:,.0f}", duration((self.steps_per_epoch - self.progress.position.step) / steps_per_s),
+                     duration((self.epochs * self.steps_per_epoch - step) / steps_per_s))
             metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
             metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
             if self._loss_scale is not None:
@@ -175,9 +178,10 @@ class TrainingMonitor(Callback):
         self.progress.history.append(figures)
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
-                     "val_accuracy %.4f", cb.cur_epoch_num, self.epochs, figures["train_s"],
+                     "val_accuracy %.4f | training ends in %s", cb.cur_epoch_num, self.epochs, figures["train_s"],
                      f"{figures['train_samples_per_s']:,.0f}", eval_s, figures.get("val_loss", float("nan")),
-                     figures.get("val_accuracy", float("nan")))
+                     figures.get("val_accuracy", float("nan")),
+                     duration((self.epochs - cb.cur_epoch_num) * (figures["train_s"] + eval_s)))
             # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
             self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
                                       for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)

@@ -97,7 +97,8 @@ class Config:
                                     "after the first epoch past 200 steps the network does no better than chance; "
                                     "off: only a non-finite loss stops it", choices=("on", "off"),
                                     free_on_resume=True)
-    log_interval: int = setting(100, "steps between progress lines and training-loss points", check=positive,
+    log_interval: int = setting(100, "steps between progress lines and training-loss points; an epoch's end "
+                                "closes one too", check=positive,
                                 free_on_resume=True)
     threads: int = setting(0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of the "
                            "worker's share of this machine (see --cpu-bind)", check=non_negative,
@@ -181,8 +182,8 @@ def fixed_loss_scale(mode):
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
-    """UsageError naming the setting and its limit unless a step's global batch fits the training set, a log
-    interval (where the ranks agree on stopping) fits an epoch, and every rank has test images."""
+    """UsageError naming the setting and its limit unless a step's global batch fits the training set and every
+    rank has test images."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
                                 "each evaluate a share of it: use fewer workers")
@@ -195,7 +196,3 @@ def check_against_data(cfg, world_size, train_count, test_count):
         raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} "
                                 f"training images a step, but the training set has {train_count}: {fix} "
                                 "(flag or BATCH_SIZE)")
-    steps = train_count // per_step
-    if cfg.log_interval > steps:
-        raise common.UsageError(f"--log-interval {cfg.log_interval} is longer than an epoch ({steps} steps of "
-                                f"{per_step} images): use --log-interval {steps} or less (flag or LOG_INTERVAL)")

@@ -1,8 +1,8 @@
 """Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
-directory, and one sender carries it to MLflow from the position it recorded last: on a thread while the job
-runs, or later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a send and
-its recorded position) is harmless: MLflow's store keeps one copy of a metric point with the same key, step,
-time and value. docs/tracking.md has the rules for failures."""
+directory; one sender carries it to MLflow from the position it recorded last, on a thread as the job runs or
+later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a send and its
+recorded position) is harmless: MLflow keeps one copy of a metric point with the same key, step, time and
+value. docs/tracking.md has the rules for failures."""
 
 import argparse
 import json
@@ -29,8 +29,8 @@ STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-class Refused(Exception):
-    """The tracking server refused to start the run (credentials, permissions, the URI): the job's exit 2."""
+class Refused(common.UsageError):
+    """The tracking server refused to start the run (credentials, permissions, the URI): bad input, exit 2."""
 
 
 def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
@@ -149,8 +149,7 @@ class Sender:
 
 
 class NullTracker:
-    """Tracking on ranks other than 0, or with --tracking off: log_metrics, log_artifact, log_model and finish
-    take anything and record nothing."""
+    """Tracking on ranks other than 0, or with --tracking off: every call takes anything and records nothing."""
 
     run_id = None
 
@@ -175,6 +174,7 @@ class Tracker:
         """Journal the run's start, with MLflow's context tags (user, source, commit) resolved here, where the job
         runs; online, wait START_WAIT_S at most for it to be tried. Refused: the job's exit 2."""
         import mlflow  # pylint: disable=import-outside-toplevel
+        params = {key: str(value) for key, value in params.items()}
         self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
                             tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
         if self.online:
@@ -287,7 +287,7 @@ def main(argv=None):
         with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends its own
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
             sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
-    except (common.UsageError, Refused) as exc:
+    except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
     print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}" if sent else

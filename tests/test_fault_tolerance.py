@@ -121,6 +121,37 @@ def test_resume_never_starts_fresh(tiny_data, tmp_path):
         assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 0
 
 
+def test_the_default_log_interval_fits_an_epoch_shorter_than_it(tiny_data, tmp_path):
+    """16 steps an epoch, under the default interval of 100: every epoch's end closes an interval."""
+    result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                                 "--data-mirrors", "", "--output-dir", "out", "--epochs", "2", "--batch-size", "16",
+                                 "--tracking", "off"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = re.findall(r"epoch (\d)/2 \| step 16/16 \| loss \S+ \| \S+ samples/s \| epoch ends in 0 s, "
+                          r"training in (\d+) s", result.stderr)
+    assert [epoch for epoch, _ in progress] == ["1", "2"], result.stderr[-3000:]
+    assert int(progress[1][1]) == 0 and int(progress[0][1]) >= 0
+    assert re.search(r"epoch 1/2 done \| .* \| training ends in \d+ s", result.stderr)
+    assert re.search(r"epoch 2/2 done \| .* \| training ends in 0 s", result.stderr)
+
+
+def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds(tiny_data, tmp_path):
+    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--batch-size", "16", "--log-interval", "8", "--tracking", "off"]
+    assert run_main(tmp_path, [*base, "--epochs", "2"]).returncode == 0
+    trained = read_summary(tmp_path / "out")
+    rerun = run_main(tmp_path, [*base, "--epochs", "1"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "holds a model of 2 epochs, more than --epochs 1" in rerun.stderr
+    summary = read_summary(tmp_path / "out")
+    assert summary["weights_sha256"] == trained["weights_sha256"]  # the same model, not trained again
+    assert summary["epochs"] == 2 and len(summary["epoch_history"]) == 2
+    # Measured again on the model written, and equal to what its own training measured.
+    assert summary["test_accuracy"] == pytest.approx(trained["test_accuracy"], abs=1e-6)
+    assert summary["test_loss"] == pytest.approx(trained["test_loss"], rel=1e-5)
+    assert summary["test_samples"] == trained["test_samples"] == 96
+
+
 def test_predict_names_a_missing_model(tiny_data, tmp_path):
     result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
                                  "--data-mirrors", "", "--predict", "missing.ckpt"])

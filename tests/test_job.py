@@ -39,6 +39,7 @@ def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
     assert (summary["world_size"], summary["device"], summary["epochs"]) == (2, "CPU", 1)
     # Every one of the 96 test images counted exactly once across the two ranks' slices, and the final figure
     # is the last validation's.
+    assert summary["test_samples"] == 96
     assert summary["test_accuracy"] * 96 == pytest.approx(round(summary["test_accuracy"] * 96))
     assert summary["test_accuracy"] == summary["epoch_history"][-1]["val_accuracy"]
     assert math.isfinite(summary["test_loss"])
