@@ -64,10 +64,10 @@ def main(argv=None) -> int:
             lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}")  # noqa: F841
         splits, sources = get_data(job)
         shards, test_ds = data.shard(splits, cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
-        test_metrics = metrics.test_metrics(collective, len(data.CLASS_NAMES))
+        evaluation = metrics.Evaluation(collective, len(data.CLASS_NAMES))
         if cfg.predict:
-            return serving.predict(cfg.predict, test_ds, test_metrics, collective.is_main)
-        net, trainer = build_model(job, test_metrics)
+            return serving.predict(cfg.predict, test_ds, evaluation, collective.is_main)
+        net, trainer = build_model(job, evaluation)
         laps("setup")
         resumed, current, start = resume(job, trainer)
         laps("checkpoint")
@@ -132,7 +132,7 @@ def get_data(job):
     return splits, sources
 
 
-def build_model(job, test_metrics):
+def build_model(job, evaluation):
     """The network, its loss, the optimizer and mixed precision as one Model (data-parallel: init_distributed
     set gradients to be averaged across ranks)."""
     cfg = job.cfg
@@ -152,7 +152,7 @@ def build_model(job, test_metrics):
     elif job.loss_scaling.startswith("fixed:"):
         # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
         manager = ms.amp.FixedLossScaleManager(scale, drop_overflow_update=False)
-    return net, Model(net, loss_fn, optimizer, amp_level=job.amp_level, metrics=test_metrics,
+    return net, Model(net, loss_fn, optimizer, amp_level=job.amp_level, metrics={"test": evaluation},
                       loss_scale_manager=manager)
 
 
@@ -249,7 +249,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
     cfg, collective = job.cfg, job.collective
     history, final = progress.history, None
     if progress.confusion is None:  # all trained before this run, maybe more epochs than asked: measure the model
-        final = trainer.eval(test_ds, dataset_sink_mode=False)
+        final = trainer.eval(test_ds, dataset_sink_mode=False)["test"]
         progress.confusion = final["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))

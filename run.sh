@@ -60,7 +60,7 @@ export LOCAL_WORKERS=$WORKERS NODE_RANK  # main.py shares this node's cores amon
 # The job's own checks before msrun starts anything: a bad setting, an unusable directory or an output
 # directory another job holds ends here in one line, with exit 2. It prints the output directory.
 case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
-output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.preflight "$((WORKERS * NODES))" "$@")
+output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$((WORKERS * NODES))" "$@")
 if [[ -z "${LOG_DIR:-}" ]]; then
   LOG_DIR=$output_dir/logs
   ((NODES == 1)) || LOG_DIR+=/node$NODE_RANK  # msrun names logs by rank: keep the nodes' logs apart

@@ -160,9 +160,9 @@ class TrainingMonitor(Callback):
         eval_s = time.perf_counter() - self._eval_start if "metrics" in cb else 0.0
         figures = {"epoch": cb.cur_epoch_num, "train_s": self._train_s, "eval_s": eval_s,
                    "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
-        metrics = cb.get("metrics", {})
-        figures.update({f"val_{k}": float(v) for k, v in metrics.items() if np.ndim(v) == 0})
-        self.progress.confusion = metrics.get("confusion", self.progress.confusion)
+        test = cb.get("metrics", {}).get("test", {})
+        figures.update({f"val_{k}": float(test[k]) for k in ("loss", "accuracy") if k in test})
+        self.progress.confusion = test.get("confusion", self.progress.confusion)
         self._train_s = None
         # The same figures on every rank; checked before this epoch's checkpoint is written.
         self.progress.position = checkpoints.Position(cb.cur_epoch_num)

@@ -49,15 +49,12 @@ def load_model(path):
         raise common.UsageError(f"--predict {path}: cannot load it ({str(exc).splitlines()[0]})") from None
 
 
-def predict(path, test_ds, test_metrics, is_main):
-    """--predict: evaluate a saved model on the test set (each rank its slice, the metrics gather) instead of
-    training; rank 0 prints the figures. Returns the exit status."""
+def predict(path, test_ds, evaluation, is_main):
+    """--predict: a saved model's figures on the test set (each rank its slice), printed by rank 0; exit 0."""
     net = load_model(path)
     for images, labels in test_ds.create_tuple_iterator(num_epochs=1):
-        logits = net(images)
-        for metric in test_metrics.values():
-            metric.update(logits, labels)
-    results = {name: metric.eval() for name, metric in test_metrics.items()}
+        evaluation.update(net(images), labels)
+    results = evaluation.eval()
     if is_main:
         print(f"{path}: test accuracy {results['accuracy']:.4f}, test loss {results['loss']:.4f} "
               f"on {int(results['confusion'].sum())} images")

@@ -1,16 +1,19 @@
 """The job's settings: one table, from which the parser, the checks and the set a resume may change all come.
-
 Every setting is a flag and an environment variable (--batch-size <-> BATCH_SIZE <-> cfg.batch_size); the flag
-wins.
+wins. run.sh checks them before msrun starts anything, without MindSpore, in a fraction of a second (main.py
+checks the same on every rank); it prints the output directory, or one line and exit 2:
+
+    python -m fmnist.settings WORLD_SIZE [main.py flags...]
 """
 
 import argparse
 import dataclasses
 import math
 import os
+import sys
 from pathlib import Path
 
-from . import common
+from . import common, fetch
 
 OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 DEVICES = ("auto", "Ascend", "CPU")
@@ -196,3 +199,64 @@ def check_against_data(cfg, world_size, train_count, test_count):
         raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} "
                                 f"training images a step, but the training set has {train_count}: {fix} "
                                 "(flag or BATCH_SIZE)")
+
+
+def usable_dir(path, flag):
+    """UsageError unless `path` is a directory this process may write in, or can create as one."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:  # the nearest ancestor that exists decides
+        existing = existing.parent
+    if not existing.is_dir():
+        raise common.UsageError(f"{flag} {path}: {existing} is not a directory; give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise common.UsageError(f"{flag} {path}: {existing} is not writable by this user (uid {os.getuid()}); "
+                                "give a directory it may write in")
+
+
+def data_counts(data_dir, checksums):
+    """(training images, test images) from the label files when all four files are there, else None: the job
+    fetches them, and checks. The job verifies the checksums anyway, so start-up hashes the data once."""
+    if not all(fetch.local_copy(data_dir, name) for name in checksums):
+        return None
+    try:
+        return tuple(len(fetch.parse_idx(fetch.local_copy(data_dir, f"{split}-labels-idx1-ubyte").read_bytes()))
+                     for split in ("train", "t10k"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_before_start(argv, world_size):
+    """The checked settings, after every check that needs no MindSpore and no download; UsageError."""
+    cfg = parse_config(argv)
+    checksums = fetch.load_checksums(cfg.checksums_file)
+    if cfg.loss_scale == "dynamic":  # the one setting the device decides on, so the one check that needs MindSpore
+        from . import distributed  # pylint: disable=import-outside-toplevel
+        target = distributed.resolve_device(cfg.device)
+        resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
+    usable_dir(cfg.output_dir, "--output-dir")
+    lock = cfg.output_dir / ".lock"
+    if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
+        common.hold_lock(lock, f"--output-dir {cfg.output_dir}", probe=True).close()
+    counts = data_counts(cfg.data_dir, checksums)
+    if counts is None:
+        usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there
+    else:
+        check_against_data(cfg, world_size, *counts)
+    return cfg
+
+
+def main(argv):
+    try:
+        if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
+            raise common.UsageError("usage: python -m fmnist.settings WORLD_SIZE [main.py flags...]")
+        cfg = check_before_start(argv[1:], int(argv[0]))
+    except common.UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+    print(cfg.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

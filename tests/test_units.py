@@ -70,12 +70,6 @@ def test_cross_entropy_matches_definition_and_is_stable():
     np.testing.assert_allclose(out, [expected0, 1000.0])
 
 
-def test_correct_predictions():
-    logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
-    labels = np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
-    np.testing.assert_array_equal(metrics.correct_predictions(logits, labels), [1, 0, 1])
-
-
 class FakeCollective:
     """Stands in for two ranks: the other rank is given fixed sums."""
 
@@ -94,14 +88,20 @@ class FakeTensor:
         return self.array
 
 
-def test_global_mean_weights_every_sample_once_across_ranks():
-    # This rank: 2 samples, 1 correct. The other rank: 3 samples, 3 correct -> 4/5, not mean(0.5, 1.0).
-    metric = metrics.GlobalMean(metrics.correct_predictions, FakeCollective([3.0, 3.0]))
-    metric.update(FakeTensor([[0.9, 0.1], [0.9, 0.1]]), FakeTensor([[1.0, 0.0], [0.0, 1.0]]))
-    assert metric.eval() == pytest.approx(0.8)
-    metric.clear()
-    metric.update(FakeTensor([[0.9, 0.1]]), FakeTensor([[1.0, 0.0]]))
-    assert metric.eval() == pytest.approx(1.0)
+def test_evaluation_counts_every_sample_once_across_ranks():
+    # This rank: 2 samples, 1 correct. The other rank: 3 samples, all of class 0 and right -> 4/5, not
+    # mean(0.5, 1.0); its loss sum is 3.0.
+    other = np.append(3.0, np.array([[3, 0], [0, 0]]).ravel())
+    evaluation = metrics.Evaluation(FakeCollective(other), 2)
+    logits, labels = np.array([[0.9, 0.1], [0.9, 0.1]]), np.array([[1.0, 0.0], [0.0, 1.0]])
+    evaluation.update(FakeTensor(logits), FakeTensor(labels))
+    figures = evaluation.eval()
+    assert figures["accuracy"] == pytest.approx(0.8)
+    assert figures["loss"] == pytest.approx((metrics.cross_entropy(logits, labels).sum() + 3.0) / 5)
+    np.testing.assert_array_equal(figures["confusion"], [[4, 0], [1, 0]])
+    evaluation.clear()
+    evaluation.update(FakeTensor(logits[:1]), FakeTensor(labels[:1]))
+    np.testing.assert_array_equal(evaluation.eval()["confusion"], [[4, 0], [0, 0]])
 
 
 def test_settings_come_from_flags_then_environment(monkeypatch):
