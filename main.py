@@ -90,8 +90,6 @@ def main(argv=None) -> int:
     try:
         with training.stop:  # SIGTERM becomes a request the ranks agree on
             train(job, trainer, shards, test_ds, [c for c in (training, saver) if c], start)
-            if saver:
-                saver.wait()
         return report(job, net, trainer, test_ds, splits, progress, tracker, saver,
                       {"started": laps.started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start,
                        "startup_phases_s": laps.laps})

@@ -4,7 +4,6 @@ and the settings that shaped the training, CRC-checked, whole or absent. A resta
 good one and refuses another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16
 steps into epoch 3."""
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -13,7 +12,6 @@ import time
 from pathlib import Path
 
 import mindspore as ms
-from mindspore import Tensor
 from mindspore.train import Callback
 
 from . import common, settings
@@ -147,26 +145,21 @@ def agree_on_resume(collective, resumed, directory, epochs):
 
 
 class CheckpointSaver(Callback):
-    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and at a stop
-    (save_now). A save copies the parameters (a millisecond for LeNet) and writes them on a thread while the
-    next steps run; one write at a time, whose error (a full disk) the next save or step raises. After each step
-    it records the step and time in RECORD (a small write in place that outlives a kill -9): the next start
-    measures its restart's cost from it."""
+    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and when the
+    job stops (save_now). They are written on the training thread, in milliseconds for LeNet (docs/operations.md;
+    a large model would want MindSpore's async_save). After each step it records the step and the time in RECORD
+    (a small write in place that outlives a kill -9): the next start measures its restart's cost from it."""
 
     def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
         super().__init__()
         self.directory, self.keep, self.every_steps = Path(directory), keep, every_steps
         self.progress, self.tracker, self.current = progress, tracker, current  # current: the trajectory
         self.resumed, self.restarts = resumed, resumed.restarts + 1 if resumed else 0  # this start's number
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = None
-        self.save_s = []  # the training thread's share of each save, seconds
+        self.save_s = []  # each save's time, seconds
         self.directory.mkdir(parents=True, exist_ok=True)
         self._record = os.open(self.directory / RECORD, os.O_WRONLY | os.O_CREAT, 0o644)
 
     def on_train_step_end(self, run_context):
-        if self._pending is not None and self._pending.done():
-            self.wait()  # a failed write (a full disk) stops the job at the next step, not the next save
         position, steps = self.progress.position, self.progress.steps_per_epoch
         if self.restarts and self.progress.steps_done == 1:
             self.log_restart_cost(position.global_step(steps))
@@ -197,30 +190,15 @@ class CheckpointSaver(Callback):
 
     def save(self, train_network, position):
         started = time.perf_counter()
-        self.wait()
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "trajectory": self.current,
                 "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
-                "history": list(self.progress.history), "loss_points": list(self.progress.loss_points)}
-        # A copy: the optimizer updates the parameters in place while the writer works.
-        snapshot = [{"name": name, "data": Tensor(param.asnumpy().copy())}
-                    for name, param in train_network.parameters_dict().items()]
-        self._pending = self._writer.submit(self._write, snapshot, checkpoint_path(self.directory, position),
-                                            {"meta": json.dumps(meta)})
+                "history": self.progress.history, "loss_points": self.progress.loss_points}
+        save_checkpoint(train_network, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
+        for old in newest_first(self.directory)[self.keep:]:
+            old.unlink()
         self.save_s.append(time.perf_counter() - started)
 
     def save_now(self, train_network, position):
-        """A checkpoint of `position`, written before this returns: the job is about to exit."""
+        """A checkpoint of `position` and the step record: the job is about to exit."""
         self.save(train_network, position)
-        self.wait()
         self.mark()
-
-    def wait(self):
-        """Until the write in flight is done; raises its error."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def _write(self, snapshot, path, extra):
-        save_checkpoint(snapshot, path, extra=extra)
-        for old in newest_first(self.directory)[self.keep:]:
-            old.unlink()

@@ -143,18 +143,10 @@ def download(url, timeout, say=print, deadline=600.0):
     raise AssertionError("unreachable")
 
 
-def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0):
-    """A verified copy of one IDX file in data_dir from the first source that has one; returns where it came
-    from: the URL of a mirror, the directory of a local copy."""
-    data_dir, failures = Path(data_dir), []
-    present = local_copy(data_dir, name)
-    if present:
-        try:
-            check_file(present.read_bytes(), str(present), expected)
-            return str(data_dir.resolve())  # another job sharing the data dir fetched it meanwhile
-        except ValueError as exc:
-            failures.append(str(exc))
-            say(f"warning: {exc}; fetching it again")
+def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0, failures=()):
+    """A verified copy of one IDX file in data_dir from the first source that has one, in place of any bad copy;
+    returns where it came from: the URL of a mirror, the directory of a system copy."""
+    failures = [*failures]
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in system_dirs]
     sources = [(d, copy) for d, copy in found if copy] + [(f"{url.rstrip('/')}/{name}.gz", None) for url in mirrors]
     for source, copy in sources:
@@ -164,10 +156,9 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
             continue
-        target = data_dir / (copy.name if copy else f"{name}.gz")
-        if present and present != target:
-            present.unlink()  # the bad copy would shadow or confuse the good one
-        common.write_atomic(target, raw)
+        for bad in (data_dir / name, data_dir / f"{name}.gz"):
+            bad.unlink(missing_ok=True)  # a bad copy would shadow or confuse the good one
+        common.write_atomic(data_dir / (copy.name if copy else f"{name}.gz"), raw)
         say(f"{name}: verified copy from {source}")
         return source
     raise common.UsageError(
@@ -177,29 +168,32 @@ def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=prin
         "--data-mirrors URL")
 
 
-def is_verified(data_dir, name, expected):
+def problem_with_copy(data_dir, name, expected):
+    """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" when it has none)."""
     present = local_copy(data_dir, name)
     try:
-        return present is not None and check_file(present.read_bytes(), name, expected) is None
-    except (ValueError, OSError):
-        return False
+        return "" if present is None else check_file(present.read_bytes(), str(present), expected)
+    except (ValueError, OSError) as exc:
+        return str(exc)
 
 
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """The four verified IDX files in data_dir, with no request when they are there already; returns where each
     came from: {name: the data dir, a system directory, or the mirror's URL}."""
-    data_dir = Path(data_dir)
-    sources = {name: str(data_dir.resolve()) for name in checksums if is_verified(data_dir, name, checksums[name])}
-    missing = [name for name in checksums if name not in sources]
-    if not missing:
-        return sources  # complete: works on a read-only data dir, such as one baked into an image
+    data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
+    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
+        return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
-            for name in missing:
-                sources[name] = fetch_file(name, checksums[name], data_dir, system_dirs, mirrors, timeout, say,
-                                           deadline)
+            sources = {}
+            for name, expected in checksums.items():
+                problem = problem_with_copy(data_dir, name, expected)
+                if problem:
+                    say(f"warning: {problem}; fetching it again")
+                sources[name] = here if problem is None else fetch_file(
+                    name, expected, data_dir, system_dirs, mirrors, timeout, say, deadline, [problem] if problem else [])
+            return sources
     except OSError as exc:
         raise common.UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None
-    return sources

@@ -20,30 +20,24 @@ DEVICES = ("auto", "Ascend", "CPU")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
 
 
-def positive(value):  # a check: a value -> what is wrong with it, or None
-    return None if value > 0 else "must be positive"
+# Checks: what a value must be, and the words for it.
+POSITIVE = (lambda value: value > 0, "must be positive")
+NON_NEGATIVE = (lambda value: value >= 0, "must be >= 0")
+BELOW_ONE = (lambda value: 0 <= value < 1, "must be in [0, 1)")
+LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_number(value),
+              "must be auto, none, dynamic or a positive number")
 
 
-def non_negative(value):
-    return None if value >= 0 else "must be >= 0"
-
-
-def below_one(value):
-    return None if 0 <= value < 1 else "must be in [0, 1)"
-
-
-def loss_scale_mode(value):
+def is_positive_number(text):
     try:
-        if value in ("auto", "none", "dynamic") or math.isfinite(float(value)) and float(value) > 0:
-            return None
+        return math.isfinite(float(text)) and float(text) > 0
     except ValueError:
-        pass
-    return "must be auto, none, dynamic or a positive number"
+        return False
 
 
 def setting(default, help, env="", choices=(), check=None, free_on_resume=False):  # noqa: A002 (argparse's word)
     """A field of Config: its default, help, variable (the flag in capitals unless given), choices, check, and
-    whether a resume may change it (where things are, how progress shows, how long to train: not its shape)."""
+    whether a resume may change it (where things are, how progress shows, how long to train: not its course)."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices,
                                                          "check": check, "free_on_resume": free_on_resume})
 
@@ -52,18 +46,18 @@ def setting(default, help, env="", choices=(), check=None, free_on_resume=False)
 class Config:
     """The settings of one job, as read and checked by parse_config(): the one table of them."""
 
-    epochs: int = setting(10, "training epochs in total", check=positive, free_on_resume=True)
+    epochs: int = setting(10, "training epochs in total", check=POSITIVE, free_on_resume=True)
     batch_size: int = setting(64, "batch size per device; the global batch is this times the world size",
-                              check=positive)
-    lr: float = setting(0.1, "learning rate", check=positive)
+                              check=POSITIVE)
+    lr: float = setting(0.1, "learning rate", check=POSITIVE)
     optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"))
-    momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=below_one)
-    weight_decay: float = setting(0.0, "L2 weight decay", check=non_negative)
+    momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE)
+    weight_decay: float = setting(0.0, "L2 weight decay", check=NON_NEGATIVE)
     # amp and loss scale are free as asked for: what the job resolves them to is checked on resume instead.
     amp: str = setting("auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS,
                        free_on_resume=True)
     loss_scale: str = setting("auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed scale; "
-                              "auto is dynamic for O2 on Ascend and none otherwise", check=loss_scale_mode,
+                              "auto is dynamic for O2 on Ascend and none otherwise", check=LOSS_SCALE,
                               free_on_resume=True)
     device: str = setting("auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
     seed: int = setting(42, "random seed; the same on every rank so all replicas start identical")
@@ -73,16 +67,16 @@ class Config:
     checksums_file: str = setting("", "sha256sum-style file replacing the pinned checksums of the four IDX files "
                                   "(to train on another IDX dataset)", free_on_resume=True)
     download_timeout: float = setting(30.0, "seconds without progress before a download attempt is abandoned",
-                                      check=positive, free_on_resume=True)
+                                      check=POSITIVE, free_on_resume=True)
     download_deadline: float = setting(600.0, "seconds one file's download may take in all, whatever its "
-                                       "progress", check=positive, free_on_resume=True)
+                                       "progress", check=POSITIVE, free_on_resume=True)
     output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go", free_on_resume=True)
     resume: str = setting("auto", "auto: continue from the newest good checkpoint in the output dir; never: start "
                           "fresh", choices=("auto", "never"), free_on_resume=True)
-    checkpoint_steps: int = setting(0, "also checkpoint every N steps, written in the background, so that a kill -9 "
-                                    "loses fewer than N steps; 0: at the end of each epoch only",
-                                    check=non_negative, free_on_resume=True)
-    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=positive,
+    checkpoint_steps: int = setting(0, "also checkpoint every N steps, so that a kill -9 loses fewer than N steps; "
+                                    "0: at the end of each epoch only",
+                                    check=NON_NEGATIVE, free_on_resume=True)
+    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=POSITIVE,
                                     free_on_resume=True)
     predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
                            free_on_resume=True)
@@ -93,7 +87,7 @@ class Config:
                             "journal only, for `python -m fmnist.tracking sync`; off: none",
                             choices=("on", "offline", "off"), free_on_resume=True)
     tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow server before leaving "
-                                 "the rest in the journal", check=positive, free_on_resume=True)
+                                 "the rest in the journal", check=POSITIVE, free_on_resume=True)
     register_model: str = setting("", "register the trained model under this name in the MLflow Model Registry "
                                   "(default: not registered)", free_on_resume=True)
     divergence_check: str = setting("on", "on: stop as diverged (exit 3) when the training loss explodes, or when "
@@ -101,10 +95,10 @@ class Config:
                                     "off: only a non-finite loss stops it", choices=("on", "off"),
                                     free_on_resume=True)
     log_interval: int = setting(100, "steps between progress lines and training-loss points; an epoch's end "
-                                "closes one too", check=positive,
+                                "closes one too", check=POSITIVE,
                                 free_on_resume=True)
     threads: int = setting(0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of the "
-                           "worker's share of this machine (see --cpu-bind)", check=non_negative,
+                           "worker's share of this machine (see --cpu-bind)", check=NON_NEGATIVE,
                            free_on_resume=True)
     cpu_bind: str = setting("on", "on: bind each CPU worker to its own share of this machine's cores, divided "
                             "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"),
@@ -153,7 +147,7 @@ def parse_config(argv=None):
         value, choices, check = getattr(cfg, f.name), f.metadata["choices"], f.metadata["check"]
         # argparse checks choices only on the command line, not on a default taken from the environment.
         problem = f"must be one of {', '.join(choices)}" if choices and value not in choices else None
-        problem = problem or (check and check(value))
+        problem = problem or (check and not check[0](value) and check[1])
         if problem:
             raise common.UsageError(f"{flag(f)} {problem}, got {value!r} (flag or {variable(f)})")
     if cfg.register_model and cfg.tracking == "off":
