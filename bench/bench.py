@@ -219,7 +219,7 @@ def main(argv=None):
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "
               f"(batch {args.batch_size} per worker in both)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    common.write_json(args.json, results)
+    common.write_atomic(args.json, (json.dumps(results, indent=2) + "\n").encode())
     print(f"results: {args.json}")
     return 0
 

@@ -82,13 +82,9 @@ def space_for(path):
     try:
         yield
     except OSError as exc:
-        if no_space(exc):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(path, exc) from None
         raise
-
-
-def no_space(exc):
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def write_atomic(path, data, sync=True):
@@ -98,10 +94,6 @@ def write_atomic(path, data, sync=True):
         out.flush()
         if sync:
             os.fsync(out.fileno())
-
-
-def write_json(path, data):
-    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def hold_lock(path, what, wait=False, probe=False):

@@ -146,7 +146,7 @@ def download(url, timeout, say=print, deadline=600.0):
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0, failures=()):
     """A verified copy of one IDX file in data_dir from the first source that has one, in place of any bad copy;
     returns where it came from: the URL of a mirror, the directory of a system copy."""
-    failures = [*failures]
+    failures = [failure for failure in failures if failure]  # what was wrong with the copy in data_dir
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in system_dirs]
     sources = [(d, copy) for d, copy in found if copy] + [(f"{url.rstrip('/')}/{name}.gz", None) for url in mirrors]
     for source, copy in sources:
@@ -193,7 +193,7 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
                 if problem:
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(
-                    name, expected, data_dir, system_dirs, mirrors, timeout, say, deadline, [problem] if problem else [])
+                    name, expected, data_dir, system_dirs, mirrors, timeout, say, deadline, failures=[problem])
             return sources
     except OSError as exc:
         raise common.UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None

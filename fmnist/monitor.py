@@ -69,29 +69,26 @@ class Laps:
 
 
 class TrainingMonitor(Callback):
-    """The training loss (mean and per rank) and samples/s every log interval, and each epoch's validation
-    figures over the whole test set."""
+    """The training loss (mean and per rank) and samples/s every log interval and at each epoch's end, and each
+    epoch's validation figures over the whole test set."""
 
     def __init__(self, collective, tracker, epochs, progress, global_batch, log_interval, laps, num_classes=10,
                  check_learning=True, stop=None):
         super().__init__()
-        # Losses and accuracies of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
-        self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
-        self.check_learning = check_learning
-        self.collective, self.tracker = collective, tracker
-        self.stop = stop or distributed.StopRequest()
+        self.collective, self.tracker, self.stop = collective, tracker, stop or distributed.StopRequest()
         self.epochs, self.progress, self.steps_per_epoch = epochs, progress, progress.steps_per_epoch
         self.global_batch, self.log_interval, self.laps = global_batch, log_interval, laps
+        # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
+        self.untrained_loss, self.chance, self.check_learning = math.log(num_classes), 1 / num_classes, check_learning
         self._loss_sum, self._loss_steps = None, 0
         self._overflows, self._loss_scale = None, None  # under dynamic loss scaling, read once per interval
-        self._train_s = None  # set when validation starts, so training time excludes it
 
     def on_train_epoch_begin(self, run_context):
         self._epoch_start = self._interval_start = time.perf_counter()
         self._epoch_steps = self._interval_steps = 0  # trained in this process
 
     def on_train_step_end(self, run_context):
-        cb = run_context.original_args()
+        cb, progress = run_context.original_args(), self.progress
         outputs = cb.net_outputs if isinstance(cb.net_outputs, (tuple, list)) else (cb.net_outputs,)
         # Summing on the device keeps the host from waiting on each step; it is read once per interval.
         self._loss_sum = outputs[0] if self._loss_sum is None else self._loss_sum + outputs[0]
@@ -99,10 +96,8 @@ class TrainingMonitor(Callback):
             overflowed = ops.cast(outputs[1], ms.int32)
             self._overflows = overflowed if self._overflows is None else self._overflows + overflowed
             self._loss_scale = outputs[2]
-        self._loss_steps += 1
-        self._epoch_steps += 1
-        self._interval_steps += 1
-        progress = self.progress
+        self._loss_steps, self._epoch_steps, self._interval_steps = (
+            self._loss_steps + 1, self._epoch_steps + 1, self._interval_steps + 1)
         progress.position = checkpoints.Position(cb.cur_epoch_num - 1,
                                                  progress.position.step % self.steps_per_epoch + 1)
         progress.steps_done += 1
@@ -139,53 +134,46 @@ class TrainingMonitor(Callback):
                      cb.cur_epoch_num, self.epochs, self.progress.position.step, self.steps_per_epoch, per_rank.mean(),
                      f"{rate:,.0f}", duration((self.steps_per_epoch - self.progress.position.step) / steps_per_s),
                      duration((self.epochs * self.steps_per_epoch - step) / steps_per_s))
-            metrics = {"train_loss": float(per_rank.mean()), "train_samples_per_s": rate}
-            metrics.update({f"train_loss_rank{r}": float(v) for r, v in enumerate(per_rank)})
+            metrics = {"train_loss": per_rank.mean(), "train_samples_per_s": rate,
+                       **{f"train_loss_rank{r}": v for r, v in enumerate(per_rank)}}
             if self._loss_scale is not None:
                 self.progress.skipped_steps += int(self._overflows.asnumpy())
-                metrics.update({"loss_scale": float(self._loss_scale.asnumpy()),
-                                "skipped_steps": self.progress.skipped_steps})
+                metrics.update(loss_scale=self._loss_scale.asnumpy(), skipped_steps=self.progress.skipped_steps)
                 self._overflows = None
             self.tracker.log_metrics(metrics, step=step)
             self.progress.loss_points.append((step / self.steps_per_epoch, float(per_rank.mean())))
 
     def on_eval_begin(self, run_context):
-        self._train_s = time.perf_counter() - self._epoch_start
         self._eval_start = time.perf_counter()
+        self._train_s = self._eval_start - self._epoch_start
 
     def on_train_epoch_end(self, run_context):
         cb = run_context.original_args()
-        if self._train_s is None:  # no validation this epoch
-            self._train_s = time.perf_counter() - self._epoch_start
-        eval_s = time.perf_counter() - self._eval_start if "metrics" in cb else 0.0
-        figures = {"epoch": cb.cur_epoch_num, "train_s": self._train_s, "eval_s": eval_s,
-                   "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s}
-        test = cb.get("metrics", {}).get("test", {})
-        figures.update({f"val_{k}": float(test[k]) for k in ("loss", "accuracy") if k in test})
-        self.progress.confusion = test.get("confusion", self.progress.confusion)
-        self._train_s = None
+        epoch, test, eval_s = cb.cur_epoch_num, cb.metrics["test"], time.perf_counter() - self._eval_start
+        figures = {"epoch": epoch, "train_s": self._train_s, "eval_s": eval_s,
+                   "train_samples_per_s": self._epoch_steps * self.global_batch / self._train_s,
+                   "val_loss": float(test["loss"]), "val_accuracy": float(test["accuracy"])}
+        self.progress.confusion = test["confusion"]
         # The same figures on every rank; checked before this epoch's checkpoint is written.
-        self.progress.position = checkpoints.Position(cb.cur_epoch_num)
+        self.progress.position = checkpoints.Position(epoch)
         steps = self.progress.position.global_step(self.steps_per_epoch)
-        if not math.isfinite(figures.get("val_loss", 0.0)):
-            raise Diverged(f"validation loss {figures['val_loss']} after epoch {cb.cur_epoch_num} (step {steps})")
-        if self.check_learning and "val_loss" in figures and steps >= JUDGED_AFTER_STEPS and (
+        if not math.isfinite(figures["val_loss"]):
+            raise Diverged(f"validation loss {figures['val_loss']} after epoch {epoch} (step {steps})")
+        if self.check_learning and steps >= JUDGED_AFTER_STEPS and (
                 figures["val_accuracy"] <= CHANCE_MARGIN * self.chance
                 or figures["val_loss"] >= UNTRAINED_LOSS_MARGIN * self.untrained_loss):
-            raise Diverged(f"not learning: after epoch {cb.cur_epoch_num} ({steps} steps) the validation accuracy is "
+            raise Diverged(f"not learning: after epoch {epoch} ({steps} steps) the validation accuracy is "
                            f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
                            f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)
         self.progress.history.append(figures)
         if self.collective.is_main:
-            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
-                     "val_accuracy %.4f | training ends in %s", cb.cur_epoch_num, self.epochs, figures["train_s"],
-                     f"{figures['train_samples_per_s']:,.0f}", eval_s, figures.get("val_loss", float("nan")),
-                     figures.get("val_accuracy", float("nan")),
-                     duration((self.epochs - cb.cur_epoch_num) * (figures["train_s"] + eval_s)))
+            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | val_accuracy "
+                     "%.4f | training ends in %s", epoch, self.epochs, self._train_s,
+                     f"{figures['train_samples_per_s']:,.0f}", eval_s, figures["val_loss"], figures["val_accuracy"],
+                     duration((self.epochs - epoch) * (self._train_s + eval_s)))
             # Per-epoch figures use the epoch as MLflow's step, so their charts read in epochs.
             self.tracker.log_metrics({f"epoch_{k}" if k in ("train_s", "eval_s", "train_samples_per_s") else k: v
-                                      for k, v in figures.items() if k != "epoch"}, step=cb.cur_epoch_num)
+                                      for k, v in figures.items() if k != "epoch"}, step=epoch)
         stop_signals = self.collective.all_gather(np.array([self.stop.signum]))
         if stop_signals.any():
             raise distributed.Terminated(int(stop_signals.max()), steps)
-

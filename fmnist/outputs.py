@@ -1,9 +1,9 @@
 """The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as an
-MLflow model, summary.json, and the PNGs (a grid of training samples, the training curves, the confusion
-matrix). matplotlib is imported late: only rank 0 draws."""
+MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix).
+matplotlib is imported late: only rank 0 draws."""
 
 import io
-import math
+import json
 
 import numpy as np
 
@@ -14,13 +14,13 @@ from . import checkpoints, common, data, serving
 
 def write_all(output_dir, net, splits, progress, summary, seed, tracker, register_as):
     """Every output into `output_dir`, each logged to the run as it is written; then the MLflow model."""
-    history = summary["epoch_history"]
-    writers = {"samples.png": lambda path: save_sample_grid(splits.train, path, seed),
+    writers = {"samples.png": lambda path: draw(sample_grid, path, splits.train, seed),
                "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
                "model.mindir": lambda path: serving.export_mindir(net, path),
-               "training_curves.png": lambda path: save_training_curves(progress.loss_points, history, path),
-               "confusion_matrix.png": lambda path: save_confusion_matrix(progress.confusion, path),
-               "summary.json": lambda path: common.write_json(path, summary)}
+               "training_curves.png": lambda path: draw(training_curves, path, progress.loss_points,
+                                                        summary["epoch_history"]),
+               "confusion_matrix.png": lambda path: draw(confusion_matrix, path, progress.confusion),
+               "summary.json": lambda path: common.write_atomic(path, f"{json.dumps(summary, indent=2)}\n".encode())}
     for name, write in writers.items():
         write(output_dir / name)
         tracker.log_artifact(output_dir / name)
@@ -30,39 +30,32 @@ def write_all(output_dir, net, splits, progress, summary, seed, tracker, registe
                       register_as, summary["test_accuracy"])
 
 
-def save_sample_grid(split, path, seed, count=10):
-    """PNG of `count` random images of a data.Split with their class names."""
-    images, labels, plt = split.images, split.labels, pyplot()
-    picks = np.random.default_rng(seed).choice(len(images), size=count, replace=False)
-    cols = 5
-    fig, axes = plt.subplots(math.ceil(count / cols), cols, figsize=(cols * 1.6, 1.9 * math.ceil(count / cols)))
-    for ax, index in zip(axes.flat, picks):
-        ax.imshow(images[index], cmap="gray", vmin=0, vmax=255)
-        ax.set_title(data.CLASS_NAMES[labels[index]], fontsize=9)
-    for ax in axes.flat:
-        ax.axis("off")
-    fig.tight_layout(pad=0.3)
-    write_figure(fig, path)
-
-
-def pyplot():
-    """matplotlib on its file-only backend, imported only when a picture is drawn."""
+def draw(picture, path, *args):
+    """`picture(plt, *args)` drawn by matplotlib on its file-only backend, written whole to `path` as a PNG."""
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    return plt
-
-
-def write_figure(fig, path):
+    fig = picture(plt, *args)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    pyplot().close(fig)
+    plt.close(fig)
     common.write_atomic(path, buffer.getvalue())
 
 
-def save_training_curves(loss_points, epoch_history, path):
-    """PNG of the training loss (per log interval) and the validation loss and accuracy (per epoch)."""
-    fig, (loss_ax, acc_ax) = pyplot().subplots(1, 2, figsize=(9, 3.4))
+def sample_grid(plt, split, seed, count=10):
+    """Random images of a data.Split with their class names, in two rows."""
+    fig, axes = plt.subplots(2, count // 2, figsize=(8, 3.8))
+    for ax, index in zip(axes.flat, np.random.default_rng(seed).choice(len(split.images), count, replace=False)):
+        ax.imshow(split.images[index], cmap="gray", vmin=0, vmax=255)
+        ax.set_title(data.CLASS_NAMES[split.labels[index]], fontsize=9)
+        ax.axis("off")
+    fig.tight_layout(pad=0.3)
+    return fig
+
+
+def training_curves(plt, loss_points, epoch_history):
+    """The training loss (per log interval) and the validation loss and accuracy (per epoch)."""
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4))
     epochs = [e["epoch"] for e in epoch_history]
     if loss_points:
         loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
@@ -74,12 +67,12 @@ def save_training_curves(loss_points, epoch_history, path):
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    write_figure(fig, path)
+    return fig
 
 
-def save_confusion_matrix(matrix, path):
-    """PNG of the test-set confusion matrix with counts, rows the true class."""
-    fig, ax = pyplot().subplots(figsize=(7, 6))
+def confusion_matrix(plt, matrix):
+    """The test-set confusion matrix with its counts, rows the true class."""
+    fig, ax = plt.subplots(figsize=(7, 6))
     ax.imshow(matrix, cmap="Blues")
     for (row, col), count in np.ndenumerate(matrix):
         ax.text(col, row, str(count), ha="center", va="center", fontsize=7,
@@ -87,8 +80,7 @@ def save_confusion_matrix(matrix, path):
     ticks = range(len(data.CLASS_NAMES))
     ax.set_xticks(ticks, data.CLASS_NAMES, rotation=45, ha="right")
     ax.set_yticks(ticks, data.CLASS_NAMES)
-    accuracy = np.trace(matrix) / max(matrix.sum(), 1)
-    ax.set(xlabel="predicted", ylabel="true", title=f"Test set: {matrix.sum()} images, accuracy {accuracy:.4f}")
+    ax.set(xlabel="predicted", ylabel="true",
+           title=f"Test set: {matrix.sum()} images, accuracy {np.trace(matrix) / max(matrix.sum(), 1):.4f}")
     fig.tight_layout()
-    write_figure(fig, path)
-
+    return fig
