@@ -3,7 +3,6 @@
 
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -100,17 +99,6 @@ def pixels(batch):
         bad = values[(values < 0) | (values > 255)].flat[0]
         raise ValueError(f"pixel values must be from 0 to 255; got {bad:g}")
     return values.astype(np.uint8)
-
-
-def served_signature(example, predictions):
-    """The MLflow model's signature and input example. The input is declared float64, though pixels are whole
-    numbers: MLflow casts a request's JSON to the declared type before the model sees it, and a uint8 type
-    would wrap 300 to 44 and cut 0.5 to 0 unseen; float64 passes every value on for pixels() to judge."""
-    import mlflow  # pylint: disable=import-outside-toplevel
-    example = np.asarray(example, dtype=np.float64)
-    with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
-        warnings.simplefilter("ignore", UserWarning)
-        return mlflow.models.infer_signature(example, predictions), example
 
 
 class ServedModel:

@@ -1,10 +1,10 @@
 """Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
 directory; one sender carries it to MLflow from the position it recorded last, on a thread as the job runs or
 later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a send and its
-recorded position) is harmless: MLflow keeps one copy of a metric point with the same key, step, time and
-value. docs/tracking.md has the rules for failures."""
+recorded position) is harmless: MLflow keeps one copy of equal metric points. docs/tracking.md has the rules."""
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -13,6 +13,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 from . import common, serving
 from .common import log
@@ -36,8 +38,7 @@ class Refused(common.UsageError):
 def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
     if isinstance(exc, MlflowException):
-        status = exc.get_http_status_code()
-        return "transient" if status >= 500 or status == 429 else "refused"
+        return "transient" if exc.get_http_status_code() in (429, *range(500, 600)) else "refused"
     transient = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
     return "transient" if transient else "error"
 
@@ -47,8 +48,7 @@ class Sender:
 
     def __init__(self, output_dir):
         import mlflow  # pylint: disable=import-outside-toplevel
-        for name, value in MLFLOW_DEFAULTS.items():
-            os.environ.setdefault(name, value)  # a user's setting wins
+        os.environ.update({name: value for name, value in MLFLOW_DEFAULTS.items() if name not in os.environ})
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # the sender's own line says it
         self.journal, self.position = Path(output_dir) / JOURNAL, Path(output_dir) / POSITION
         state = json.loads(self.position.read_text()) if self.position.exists() else {}
@@ -64,8 +64,7 @@ class Sender:
         pending = self.unsent()
         while pending:
             batch = pending[:1]  # consecutive metric points go in one request, up to MLflow's 1000 values
-            while (batch[-1][1]["op"] == "metrics" and len(batch) < len(pending)
-                   and pending[len(batch)][1]["op"] == "metrics"
+            while (len(batch) < len(pending) and {batch[0][1]["op"], pending[len(batch)][1]["op"]} == {"metrics"}
                    and sum(len(line["values"]) for _, line in batch) < 900):
                 batch.append(pending[len(batch)])
             try:
@@ -134,9 +133,14 @@ class Sender:
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model`, loaded by fmnist.serving; registered when asked."""
+        """The MindIR as the run's pyfunc model `model`, loaded by fmnist.serving; registered when asked. Its input
+        is declared float64, though pixels are whole numbers: MLflow casts a request's JSON to the declared type,
+        and uint8 would wrap 300 to 44 unseen; float64 leaves every value to serving.pixels to judge."""
         import pandas as pd  # pylint: disable=import-outside-toplevel
-        signature, example = serving.served_signature(op["example"], pd.DataFrame(op["predictions"]))
+        example = np.asarray(op["example"], dtype=np.float64)
+        with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
+            warnings.simplefilter("ignore", UserWarning)
+            signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
             info = self.mlflow.pyfunc.log_model(
                 name="model", loader_module=serving.__name__, data_path=op["mindir"], code_paths=[str(PACKAGE_DIR)],
@@ -171,8 +175,8 @@ class Tracker:
         return self.sender and self.sender.run_id
 
     def start(self, experiment, run_name, params, tags, datasets, continues):
-        """Journal the run's start, with MLflow's context tags (user, source, commit) resolved here, where the job
-        runs; online, wait START_WAIT_S at most for it to be tried. Refused: the job's exit 2."""
+        """Journal the run's start with MLflow's context tags (user, source, commit) resolved where the job runs;
+        online, wait at most START_WAIT_S for the server's answer."""
         import mlflow  # pylint: disable=import-outside-toplevel
         params = {key: str(value) for key, value in params.items()}
         self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
@@ -209,8 +213,7 @@ class Tracker:
             return
         self.finishing.set()
         self.thread.join(timeout or self.wait_s)
-        left = len(self.sender.unsent())
-        if left:
+        if left := len(self.sender.unsent()):
             log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the next "
                         "start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri, left,
                         timeout or self.wait_s, self.journal.path, self.output_dir)
@@ -230,8 +233,7 @@ class Tracker:
 
 
 def sample_system(log_metrics, node, stopped):
-    """Rank 0's node's CPU, memory, disk and network from MLflow's own monitors into the journal, every
-    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10), until `stopped` is set; on a thread of its own."""
+    """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until `stopped`."""
     from mlflow.system_metrics.metrics import (  # pylint: disable=import-outside-toplevel
         cpu_monitor, disk_monitor, network_monitor)
     monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
@@ -256,9 +258,7 @@ def watch_node(run_id, node):
 
 
 def dataset_entities(splits, checksums, sources):
-    """The splits as MLflow dataset entities, [(context, fields)]; the digest comes from the pinned SHA-256 of
-    the content, so equal digests mean equal data."""
-    import hashlib  # pylint: disable=import-outside-toplevel
+    """The splits as MLflow dataset entities, [(context, fields)], their digests from the data's checksums."""
     import mlflow  # pylint: disable=import-outside-toplevel
     entities = []
     for context, split, part in (("training", "train", splits.train), ("evaluation", "t10k", splits.test)):
@@ -279,7 +279,7 @@ def main(argv=None):
     sync = parser.add_subparsers(dest="command", required=True).add_parser("sync", help="send OUTPUT_DIR's journal")
     sync.add_argument("output_dir", type=Path, help="the job's --output-dir")
     sync.add_argument("--timeout", type=float, default=60, help="seconds to retry an unreachable server")
-    args, sent = parser.parse_args(argv), False
+    args = parser.parse_args(argv)
     common.configure_logging(0)
     try:
         if not (args.output_dir / JOURNAL).exists():

@@ -99,7 +99,7 @@ def test_trained_model_is_the_runs_mlflow_model_with_signature_example_and_pins(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)  # for this test only: later ones pick their own servers
     info = mlflow.models.get_model_info(f"runs:/{run.info.run_id}/model")
     assert info.flavors["python_function"]["loader_module"] == "fmnist.serving"
-    # float64, so that MLflow passes every value on for the model to check (fmnist.serving.served_signature)
+    # float64, so that MLflow passes every value on for the model to check (fmnist.tracking.Sender.log_model)
     assert [(spec.type, spec.shape) for spec in info.signature.inputs.inputs] == [(np.dtype("float64"), (-1, 28, 28))]
     assert info.signature.outputs.input_names() == ["class_index", "class_name", "probabilities"]
     assert info.saved_input_example_info is not None
