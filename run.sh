@@ -15,9 +15,9 @@
 #   GLOG_v           MindSpore's C++ log level (default 3: errors only)
 #   DRY_RUN          1: print the msrun command and exit;  ASCEND_ENV: CANN's environment script, if present
 #
-# Exit status: 0, or the failing worker's own (2 bad input, 3 diverged, 4 a full volume, 128+N killed by
-# signal N, 137 for a worker that stopped answering); 143 or 130 after SIGTERM or SIGINT, which stop the
-# workers together at their next log interval. docs/operations.md has the whole table.
+# Exit status: 0, or the failing worker's own (1 replicas differ, 2 bad input, 3 diverged, 4 a full volume,
+# 128+N killed by signal N, 137 for a worker that stopped answering); 143 or 130 after SIGTERM or SIGINT, which
+# stop the workers together at their next log interval. docs/operations.md has the whole table.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -68,9 +68,7 @@ fi
 launcher=(msrun "--worker_num=$((WORKERS * NODES))" "--local_worker_num=$WORKERS" "--master_addr=$MASTER_ADDR"
   "--master_port=$MASTER_PORT" "--node_rank=$NODE_RANK" "--log_dir=$LOG_DIR"
   "--cluster_time_out=$CLUSTER_TIMEOUT" --join=True python "$here/main.py" "$@")
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  printf '%q ' "${launcher[@]}" && echo && exit 0
-fi
+[[ "${DRY_RUN:-0}" != 1 ]] || { printf '%q ' "${launcher[@]}"; echo; exit 0; }
 mkdir -p "$LOG_DIR"
 echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s), scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
@@ -91,6 +89,7 @@ describe() {
   case "$1" in
     -9) echo "was killed by SIGKILL (kill -9, or the out-of-memory killer)" ;;
     -*) echo "was killed by signal ${1#-}" ;;
+    1) echo "exited with status 1: the replicas' weights differ" ;;
     2) echo "exited with status 2: a bad setting or missing data" ;;
     3) echo "exited with status 3: the training diverged" ;;
     4) echo "exited with status 4: a volume it writes to is full" ;;

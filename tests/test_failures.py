@@ -4,6 +4,7 @@ ends the job, run.sh names it).
 Real processes, real signals, real tmpfs volumes (the tests run as root)."""
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -24,6 +25,50 @@ def mlflow_runs(cwd):
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
     client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
     return client, client.search_runs([client.get_experiment_by_name("fashion-mnist-lenet").experiment_id])
+
+
+# --- replicas that differ
+
+
+NUDGE_RANK_1 = """
+import sys
+sys.path.insert(0, {root!r})
+import mindspore as ms
+from fmnist import distributed
+
+check = distributed.replicas_identical
+
+
+def nudged(collective, net):  # one weight of rank 1 a little off, just before the job's own check
+    if collective.rank == 1:
+        weight = net.trainable_params()[0]
+        weight.set_data(ms.Tensor(weight.asnumpy() + 1e-3))
+    return check(collective, net)
+
+
+distributed.replicas_identical = nudged
+"""
+
+
+def test_replicas_that_differ_end_the_job_with_exit_1_and_a_failed_run(tiny_data, tmp_path):
+    """The real fingerprints, gather, report and exit path decide; a sitecustomize only moves one weight."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NUDGE_RANK_1.format(root=str(ROOT)))
+    result = run_sh(tmp_path, tiny_args(tiny_data, "out"), WORKERS="2", PYTHONPATH=str(hook))
+    assert result.returncode == 1, result.console[-3000:]
+    assert "exited with status 1: the replicas' weights differ" in result.stderr, result.stderr[-3000:]
+    worker0 = (tmp_path / "out" / "logs" / "worker_0.log").read_text()
+    fingerprints = re.search(r"ERROR replicas diverged: weight fingerprints differ across ranks (\[\[.*\]\])",
+                             worker0)
+    assert fingerprints, worker0[-3000:]
+    rows = json.loads(fingerprints.group(1))
+    assert len(rows) == 2 and rows[0] != rows[1]
+    summary = read_summary(tmp_path / "out")
+    assert summary["replicas_identical"] is False and summary["weights_sha256"]
+    _, runs = mlflow_runs(tmp_path)
+    assert [run.info.status for run in runs] == ["FAILED"]
+    assert no_traceback(result, tmp_path / "out" / "logs")
 
 
 # --- a full volume
