@@ -220,6 +220,8 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
         tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
         return common.EXIT_DISK_FULL
     stopped = isinstance(exc, distributed.Terminated)
+    if not job.collective.is_main:  # rank 0 says why; the others say where they stopped
+        log.info("rank %d stops with the others: %s", job.collective.rank, exc)
 
     def finish():
         if stopped:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, job_env, no_traceback, read_summary, run_sh, tiny_args
+from conftest import ROOT, job_env, no_traceback, read_summary, run_sh, tiny_args, write_dataset
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,6 +29,9 @@ BAD_INPUTS = [
      "--register-model needs tracking", True),
     ("batch-larger-than-the-training-set", ["--batch-size", "200"], {},
      "--batch-size 200 with 2 worker(s) takes 400 training images a step, but the training set has 256", True),
+    ("fewer-test-images-than-workers", ["--data-dir", "one-test-image", "--checksums-file",
+                                        "one-test-image/CHECKSUMS"], {},
+     "the test set has 1 images, fewer than the 2 workers that each evaluate a share of it", True),
     ("output-dir-under-a-file", ["--output-dir", "a-file/out"], {},
      "--output-dir a-file/out: a-file is not a directory", True),
     ("data-dir-under-a-file", ["--data-dir", "a-file/data"], {}, "--data-dir a-file/data: a-file is not a directory",
@@ -48,6 +51,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_data, tmp_path, extra, env, messa
     shutil.copytree(tiny_data, corrupt)
     images = corrupt / "train-images-idx3-ubyte.gz"
     images.write_bytes(gzip.compress(gzip.decompress(images.read_bytes())[:-1] + b"\x01", mtime=0))
+    write_dataset(tmp_path / "one-test-image", splits={"train": 256, "t10k": 1})
     result = run_sh(tmp_path, [*tiny_args(tiny_data, "out", "--tracking", "off"), *extra], WORKERS="2", **env)
     console = result.console
     assert result.returncode == 2, console[-3000:]

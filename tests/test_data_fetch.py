@@ -165,10 +165,19 @@ def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
     deadline = time.monotonic() + 60
     while not mirror.total("slow") and time.monotonic() < deadline:  # the first holds the lock from here on
         time.sleep(0.01)
-    second = subprocess.Popen(command, cwd=ROOT)
-    assert [first.wait(timeout=120), second.wait(timeout=120)] == [0, 0]
+    assert first.poll() is None  # the two overlap: the first has three files and a second of this one to go
+    second, second_started = subprocess.Popen(command, cwd=ROOT), time.monotonic()
+    ended = {}
+    while len(ended) < 2 and time.monotonic() < deadline + 60:
+        ended.update({job: time.monotonic() for job, process in (("first", first), ("second", second))
+                      if job not in ended and process.poll() is not None})
+        time.sleep(0.01)
+    assert [first.returncode, second.returncode] == [0, 0]
+    # It waited on the lock while the first fetched its last files (a second each), then found them verified:
+    # no request of its own.
+    assert ended["second"] - second_started > 1.5
+    assert mirror.total("slow") == 4
     assert_all_verified(tmp_path, checksums)
-    assert mirror.total("slow") == 4  # the second job waited, then found verified files: no request of its own
 
 
 def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirror):
@@ -199,14 +208,14 @@ def test_too_long_download_is_abandoned_for_the_next_mirror(tmp_path, dataset, m
                       say=lambda _: None, deadline=0.1)
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("steady") == 4  # each file tried once there, none retried
-    assert sorted(path for path in mirror.requests if path.startswith("/good/")) == [
-        "/good/t10k-images-idx3-ubyte.gz", "/good/train-images-idx3-ubyte.gz"]
+    # The image files cannot arrive in time; a label file (one chunk) does unless the machine stalls.
+    assert {"/good/t10k-images-idx3-ubyte.gz", "/good/train-images-idx3-ubyte.gz"} <= set(mirror.requests)
 
 
 def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):
     mirror.files["big.gz"] = bytes(4 << 20)  # 4 MiB at 320 KiB/s: 13 s, over any minimum rate
     started = time.monotonic()
-    with pytest.raises(ConnectionError, match=r"not complete after 2 s .* over --download-deadline 1.5"):
+    with pytest.raises(ConnectionError, match=r"not complete after \d+ s \(\d+ bytes\), over --download-deadline 1.5"):
         fetch.download(f"{mirror.url}/steady/big.gz", 5.0, deadline=1.5)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # 1.5 s and the next chunk, not the 13 s of the whole file
     assert mirror.total("steady") == 1

@@ -152,6 +152,21 @@ def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds
     assert summary["test_samples"] == trained["test_samples"] == 96
 
 
+def test_a_bit_flipped_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(tiny_data, tmp_path):
+    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
+            "--output-dir", "out", "--batch-size", "16", "--tracking", "off", "--keep-checkpoints", "2"]
+    assert run_main(tmp_path, [*base, "--epochs", "2"]).returncode == 0
+    checkpoints = tmp_path / "out" / "checkpoints"
+    flipped = bytearray((checkpoints / "epoch-0002.ckpt").read_bytes())
+    flipped[len(flipped) // 2] ^= 0x10  # one bit, in the middle: the file is whole, its content is not
+    (checkpoints / "epoch-0002.ckpt").write_bytes(flipped)
+    rerun = run_main(tmp_path, [*base, "--epochs", "4"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in rerun.stderr
+    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 4 epochs done" in rerun.stderr
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
+
+
 def test_predict_names_a_missing_model(tiny_data, tmp_path):
     result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
                                  "--data-mirrors", "", "--predict", "missing.ckpt"])

@@ -90,5 +90,7 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     run_id = summary["mlflow_run_id"]
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 1 and metrics["restart_steps_lost"] == last_step - resumed_step
+    cost = re.search(r"restart 1: (\d+) steps lost, ([\d.]+) s from the stop to this step", resumed_log)
+    assert cost and int(cost.group(1)) == last_step - resumed_step, resumed_log[-3000:]
     assert metrics["restart_total_s"] > 0
     assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]

@@ -79,7 +79,11 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         wait_for(logs / "worker_0.log", r"first step done", holder, timeout=180)
         workers = worker_pids(logs)
         pid = workers[0]
-        log_before = (logs / "worker_0.log").stat().st_size
+        # What the refused starts must leave alone: the holder's logs (msrun's and the scheduler's too) and the
+        # lock's text naming it; each keeps its inode and its content so far (the holder keeps appending).
+        kept = {path: (path.stat().st_ino, path.read_bytes())
+                for path in [*logs.glob("*.log"), tmp_path / "out" / ".lock"]}
+        assert {"worker_0.log", "worker_1.log", "scheduler.log", "msrun.log", ".lock"} <= {p.name for p in kept}
         started = time.monotonic()
         second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
         assert time.monotonic() - started < 30
@@ -89,7 +93,8 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         by_run_sh = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
                                    capture_output=True, text=True, timeout=60, check=False)
         assert by_run_sh.returncode == 2 and "out is in use by the job on host" in by_run_sh.stderr
-        assert (logs / "worker_0.log").stat().st_size >= log_before  # its logs were left alone
+        for path, (inode, content) in kept.items():
+            assert path.stat().st_ino == inode and path.read_bytes().startswith(content), path.name
         job = job_processes(holder.pid)  # msrun, its scheduler and both workers
         assert set(workers) <= {process.pid for process in job}
         kill_all(job)  # every process of the job at once, as a crashed node would
@@ -119,9 +124,13 @@ def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data
                             check=False)
     assert result.returncode == common.EXIT_DIVERGED, result.stdout[-2000:] + result.stderr[-2000:]
     worker0 = (tmp_path / "out" / "logs" / "worker_0.log").read_text()
-    assert re.search(r"training diverged: training loss (nan|inf) at step \d+ \(epoch 1\)\. Start again with a "
-                     r"lower --lr \(now 1e\+08\)", worker0), worker0[-3000:]
-    assert "Traceback" not in worker0 + (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+    worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+    diverged = re.search(r"training diverged: training loss (nan|inf) at step (\d+) \(epoch 1\)\. Start again with "
+                         r"a lower --lr \(now 1e\+08\)", worker0)
+    assert diverged, worker0[-3000:]
+    # Both ranks stopped on the same gathered loss, at the same step.
+    assert f"rank 1 stops with the others: training loss {diverged.group(1)} at step {diverged.group(2)} " in worker1
+    assert "Traceback" not in worker0 + worker1
     for name in ("summary.json", "model.ckpt", "model.mindir"):
         assert not (tmp_path / "out" / name).exists(), name
     assert checkpoint.read_bytes() == good_bytes  # the good epoch stays
@@ -135,8 +144,10 @@ def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data
 # --- SIGTERM
 
 
-@pytest.mark.parametrize("as_pid_1", [True, False], ids=["pid-1-in-a-pid-namespace", "under-a-shell"])
-def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(longer_data, tmp_path, as_pid_1):
+@pytest.mark.parametrize("as_pid_1, signum", [(True, signal.SIGTERM), (False, signal.SIGINT)],
+                         ids=["sigterm-to-pid-1-in-a-pid-namespace", "sigint-under-a-shell"])
+def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(longer_data, tmp_path, as_pid_1,
+                                                                                   signum):
     args = job_args(longer_data, "out", "--epochs", "3")
     command = [str(ROOT / "run.sh"), *args]
     if as_pid_1:  # as in the image: run.sh is PID 1, where the kernel gives it no default signal handling
@@ -153,10 +164,10 @@ def test_sigterm_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(
     job_workers = [p.pid for p in job_processes(job.pid) if runs_main_py(p)]
     assert len(job_workers) >= 2, job_workers  # both workers, and msrun's scheduler, which runs main.py too
     signalled = time.monotonic()
-    os.kill(target, signal.SIGTERM)
+    os.kill(target, signum)
     _, stderr = job.communicate(timeout=120)
     stopped_after = time.monotonic() - signalled
-    assert job.returncode == 143, stderr[-3000:]
+    assert job.returncode == 128 + signum, stderr[-3000:]  # 143 or 130
     assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
     log = worker0.read_text()
     # Rank 0 checkpointed the step the ranks stopped at: the next start loses nothing.
