@@ -6,18 +6,17 @@
 # Environment (all optional; every main.py setting also has one, see `python main.py --help`):
 #   WORKERS          workers on this node; default: the visible Ascend devices, else 2 CPU workers
 #   NODES            nodes in the job (default 1)
-#   NODE_RANK        this node's index; default JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else 0
+#   NODE_RANK        this node's index; default JOB_COMPLETION_INDEX (Indexed Job, Trainer), VC_TASK_INDEX, 0
 #   MASTER_ADDR      node 0's address, where msrun's scheduler listens (required when NODES > 1)
 #   MASTER_PORT      the scheduler's port; default a free port on one node, 8118 across nodes
+#   MS_*             what MindCluster's AscendJob injects, for what is unset above (docs/deployment.md)
 #   LOG_DIR          msrun's and each worker's log (default $OUTPUT_DIR/logs, .../logs/nodeN across nodes)
 #   CLUSTER_TIMEOUT  seconds msrun waits for every node to join (default 600)
 #   MS_NODE_TIMEOUT  seconds without a worker's heartbeat before msrun's scheduler ends the job (default 5)
 #   GLOG_v           MindSpore's C++ log level (default 3: errors only)
 #   DRY_RUN          1: print the msrun command and exit;  ASCEND_ENV: CANN's environment script, if present
 #
-# Exit status: 0, or the failing worker's own (1 replicas differ, 2 bad input, 3 diverged, 4 a full volume,
-# 128+N killed by signal N, 137 for a worker that stopped answering); 143 or 130 after SIGTERM or SIGINT, which
-# stop the workers together at their next log interval. docs/operations.md has the whole table.
+# Exit status: 0, or the failing worker's own (docs/operations.md); 143 or 130 after SIGTERM or SIGINT.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,17 +27,20 @@ command -v msrun >/dev/null || die "msrun not found: activate the environment wi
 command -v python >/dev/null || die "python not found on PATH: msrun launches 'python'; activate the venv"
 
 : "${ASCEND_ENV:=/usr/local/Ascend/ascend-toolkit/set_env.sh}"
-if [[ -f "$ASCEND_ENV" ]]; then
-  set +u  # CANN's script reads variables that may be unset
-  # shellcheck source=/dev/null
-  source "$ASCEND_ENV"
-  set -u
-fi
+# shellcheck source=/dev/null  # CANN's script, which reads variables that may be unset
+[[ ! -f "$ASCEND_ENV" ]] || { set +u; source "$ASCEND_ENV"; set -u; }
 # A killed or frozen worker misses its heartbeat (one a second, main.py); msrun's scheduler then ends the job.
 # Its default of 30 s held a failed job for 40 s (docs/operations.md).
 export GLOG_v=${GLOG_v:-3} MS_NODE_TIMEOUT=${MS_NODE_TIMEOUT:-5}
 
-: "${NODES:=1}" "${NODE_RANK:=${JOB_COMPLETION_INDEX:-0}}" "${CLUSTER_TIMEOUT:=600}"
+# MindCluster's ascend-operator (AscendJob) gives the container named ascend MindSpore's own variables. Its
+# Scheduler pod is node 0 and trains when it holds NPUs (NPU_POD); without, it runs msrun's scheduler alone.
+if [[ -n "${MS_SCHED_HOST:-}" && -n "${MS_LOCAL_WORKER:-}" ]]; then
+  : "${WORKERS:=$MS_LOCAL_WORKER}" "${NODES:=$((MS_WORKER_NUM / MS_LOCAL_WORKER))}" "${NODE_RANK:=$MS_NODE_RANK}"
+  : "${MASTER_ADDR:=$MS_SCHED_HOST}" "${MASTER_PORT:=$MS_SCHED_PORT}"
+  [[ "${MS_ROLE:-}" != MS_SCHED || "${NPU_POD:-}" == true ]] || local_workers=0
+fi
+: "${NODES:=1}" "${NODE_RANK:=${JOB_COMPLETION_INDEX:-${VC_TASK_INDEX:-0}}}" "${CLUSTER_TIMEOUT:=600}"
 if [[ -z "${WORKERS:-}" ]]; then  # one per visible Ascend device (the device plugin's or the runtime's), else 2
   visible=${ASCEND_RT_VISIBLE_DEVICES:-${ASCEND_VISIBLE_DEVICES:-}}
   WORKERS=$(if [[ -n "$visible" ]]; then tr ',' '\n' <<<"$visible"; else find /dev -maxdepth 1 -name 'davinci[0-9]*'; fi |
@@ -57,20 +59,20 @@ done
 : "${MASTER_ADDR:=127.0.0.1}"
 export LOCAL_WORKERS=$WORKERS NODE_RANK  # main.py shares this node's cores among its workers, names its node
 
-# The job's own checks before msrun starts anything: a bad setting, an unusable directory or an output
-# directory another job holds ends here in one line, with exit 2. It prints the output directory.
+# The job's own checks before msrun starts: a bad setting ends here in one line, exit 2. It prints the output dir.
 case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
-output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$((WORKERS * NODES))" "$@")
-if [[ -z "${LOG_DIR:-}" ]]; then
-  LOG_DIR=$output_dir/logs
-  ((NODES == 1)) || LOG_DIR+=/node$NODE_RANK  # msrun names logs by rank: keep the nodes' logs apart
+: "${local_workers:=$WORKERS}"
+if ((local_workers)); then
+  output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$((WORKERS * NODES))" "$@")
+  LOG_DIR=${LOG_DIR:-$output_dir/logs$( ((NODES == 1)) || echo "/node$NODE_RANK")}  # msrun names logs by rank
 fi
-launcher=(msrun "--worker_num=$((WORKERS * NODES))" "--local_worker_num=$WORKERS" "--master_addr=$MASTER_ADDR"
+LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/msrun-scheduler}  # the scheduler alone writes no results
+launcher=(msrun "--worker_num=$((WORKERS * NODES))" "--local_worker_num=$local_workers" "--master_addr=$MASTER_ADDR"
   "--master_port=$MASTER_PORT" "--node_rank=$NODE_RANK" "--log_dir=$LOG_DIR"
   "--cluster_time_out=$CLUSTER_TIMEOUT" --join=True python "$here/main.py" "$@")
 [[ "${DRY_RUN:-0}" != 1 ]] || { printf '%q ' "${launcher[@]}"; echo; exit 0; }
 mkdir -p "$LOG_DIR"
-echo "run.sh: node $NODE_RANK of $NODES, $WORKERS worker(s), scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
+echo "run.sh: node $NODE_RANK of $NODES, $local_workers worker(s), scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
 
 stop() {
   # msrun SIGKILLs its workers on SIGINT and dies on SIGTERM leaving them running: the workers get SIGTERM
@@ -98,8 +100,7 @@ describe() {
 }
 
 report_failure() {
-  # msrun's log names the first worker that failed by its pid ("Error code: -9" is a signal), and each worker
-  # names its pid in its log. A worker that stopped answering is named by the scheduler instead.
+  # msrun's log names the first failed worker's pid (-9 is a signal), found in its log; the scheduler, a frozen one.
   local pid="" code=$status log="" rank
   read -r pid code < <(grep -m1 -oE 'Worker process [0-9]+ exit with exception\. Error code: -?[0-9]+' \
     "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || true
@@ -126,9 +127,8 @@ report_failure() {
 stop_status=0 status=0
 trap 'stop 143' TERM
 trap 'stop 130' INT
-# msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone. Its stdout (the workers'
-# logs, tailed) goes to the console without MindSpore's INFO lines; its stderr (its own ERROR lines and
-# traceback, which report_failure says better) to msrun.log only.
+# msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone. Its stdout (the workers' logs)
+# goes to the console without INFO lines; its stderr (its traceback, which report_failure says better) to a file.
 : >"$LOG_DIR/msrun.log"
 # shellcheck disable=SC2094  # both append to msrun.log; nothing reads it meanwhile
 setsid "${launcher[@]}" 2>>"$LOG_DIR/msrun.log" \
@@ -143,7 +143,7 @@ if ((stop_status)); then
   exit "$stop_status"
 fi
 ((status == 0)) || report_failure
-if ((NODE_RANK == 0)); then
+if ((NODE_RANK == 0 && local_workers)); then
   echo "run.sh: done. Results: $output_dir/summary.json; pictures: $output_dir/*.png; logs: $LOG_DIR"
 else
   echo "run.sh: done. Node 0 holds the results; logs of this node: $LOG_DIR"

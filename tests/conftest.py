@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -262,3 +263,12 @@ def serve(files):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def rendered(manifest):
+    """The manifest's documents, as `kubectl apply` would send them (an overlay through kubectl's kustomize)."""
+    if manifest.endswith(".yaml"):
+        return list(yaml.safe_load_all((ROOT / manifest).read_text()))
+    result = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", manifest], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    return list(yaml.safe_load_all(result.stdout))

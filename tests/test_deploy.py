@@ -16,6 +16,8 @@ from conftest import ROOT, read_summary, run_sh, tiny_args
 pytestmark = pytest.mark.timeout(600)
 TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernetes-validate come from PyPI
 MANIFESTS = ["k8s-job.yaml", "k8s-multinode.yaml"]
+# The operators' kinds are checked against their CRDs in test_operators.py; kubernetes-validate knows the rest.
+OPERATOR_MANIFESTS = ["k8s-ascendjob.yaml", "k8s-ascendjob-multinode.yaml", "k8s-volcano.yaml", "k8s-trainer.yaml"]
 
 
 def checkov(manifest):
@@ -46,13 +48,23 @@ def test_manifest_is_valid_kubernetes(manifest):
     assert "passed for resource job/" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("manifest", MANIFESTS)
+@pytest.mark.parametrize("manifest", OPERATOR_MANIFESTS)
+def test_operator_manifests_built_in_kinds_are_valid_kubernetes(manifest):
+    result = tool("kubernetes-validate", "--strict", manifest)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    built_in = [doc for doc in yaml.safe_load_all((ROOT / manifest).read_text()) if doc["apiVersion"] == "v1"]
+    for doc in built_in:
+        assert f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']}" in output, output
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS + OPERATOR_MANIFESTS)
 def test_manifest_passes_yamllint(manifest):
     result = tool("yamllint", "--strict", manifest)
     assert result.returncode == 0, result.stdout
 
 
-@pytest.mark.parametrize("manifest", MANIFESTS)
+@pytest.mark.parametrize("manifest", MANIFESTS + OPERATOR_MANIFESTS)
 def test_manifest_passes_checkov_with_justified_skips(manifest):
     result = checkov(manifest)
     assert result.returncode == 0, result.stdout + result.stderr

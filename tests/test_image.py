@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, write_dataset
+from conftest import ROOT, rendered, write_dataset
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1200)]
 
@@ -203,15 +203,6 @@ def pod_of(job, index=None):
     name = job["metadata"]["name"] if index is None else f"{job['metadata']['name']}-{index}"
     labels = job["spec"]["template"]["metadata"]["labels"]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}
-
-
-def rendered(manifest):
-    """The manifest's documents, as `kubectl apply` would send them (an overlay through kubectl's kustomize)."""
-    if manifest.endswith(".yaml"):
-        return list(yaml.safe_load_all((ROOT / manifest).read_text()))
-    result = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", manifest], cwd=ROOT,
-                            capture_output=True, text=True, check=True)
-    return list(yaml.safe_load_all(result.stdout))
 
 
 @pytest.fixture
