@@ -177,9 +177,11 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
 # --- the manifests' own pods
 
 
-def pod_of(job, index=None):
-    """The Pod a Job's controller would create from its template, less what needs an Ascend server."""
-    spec = copy.deepcopy(job["spec"]["template"]["spec"])
+def as_pod(name, template, env=None, host_aliases=None, resources=None):
+    """The Pod a controller would create from a pod template, less what needs an Ascend server, with `env` (what
+    the controller injects) set in each container, `host_aliases` standing in for its Services' names, and
+    `resources` for a runtime that sets them per node."""
+    spec = copy.deepcopy(template["spec"])
     driver_files = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}  # the Ascend driver's
     spec["volumes"] = [volume for volume in spec["volumes"] if volume["name"] not in driver_files]
     for container in spec["containers"]:
@@ -187,22 +189,28 @@ def pod_of(job, index=None):
         # Kubernetes only lists a containerPort; podman 4 publishes it on the host, where two pods collide.
         container.pop("ports", None)
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in driver_files]
+        container["resources"] = copy.deepcopy(resources or container.get("resources", {}))
         for part in ("requests", "limits"):
-            resources = container["resources"][part]
-            container["resources"][part] = {k: v for k, v in resources.items() if not k.startswith("huawei.com/")}
-        if index is not None:  # what an Indexed Job's controller adds
-            container["env"].append({"name": "JOB_COMPLETION_INDEX", "value": str(index)})
-    if index is not None:  # podman names an emptyDir's volume after it alone: one of its own per pod
-        for volume in spec["volumes"]:
-            if "emptyDir" in volume:
-                for container in spec["containers"]:
-                    for mount in container["volumeMounts"]:
-                        if mount["name"] == volume["name"]:
-                            mount["name"] = f"{volume['name']}-{index}"
-                volume["name"] = f"{volume['name']}-{index}"
-    name = job["metadata"]["name"] if index is None else f"{job['metadata']['name']}-{index}"
-    labels = job["spec"]["template"]["metadata"]["labels"]
+            wanted = container["resources"].get(part, {})
+            container["resources"][part] = {k: v for k, v in wanted.items() if not k.startswith("huawei.com/")}
+        container["env"] = [e for e in container.get("env", []) if e["name"] not in (env or {})]
+        container["env"] += [{"name": key, "value": value} for key, value in (env or {}).items()]
+        for mount in container["volumeMounts"]:  # podman names an emptyDir's volume after it alone: one per pod
+            if any("emptyDir" in v and v["name"] == mount["name"] for v in spec["volumes"]):
+                mount["name"] = f"{mount['name']}-{name}"
+    for volume in spec["volumes"]:
+        if "emptyDir" in volume:
+            volume["name"] = f"{volume['name']}-{name}"
+    if host_aliases:
+        spec["hostAliases"] = host_aliases
+    labels = template.get("metadata", {}).get("labels", {})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}
+
+
+def pod_of(job, index=None):
+    """The Pod a Job's controller would create, with the index an Indexed Job's controller adds."""
+    name = job["metadata"]["name"] if index is None else f"{job['metadata']['name']}-{index}"
+    return as_pod(name, job["spec"]["template"], None if index is None else {"JOB_COMPLETION_INDEX": str(index)})
 
 
 @pytest.fixture
@@ -266,35 +274,113 @@ def test_the_jobs_own_pod_trains_as_kubernetes_would_run_it(image, manifest, wor
     assert {mount["Destination"] for mount in inspected["Mounts"] if mount["RW"]} == {"/workspace", "/tmp"}
 
 
-def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
-    """Index 0 and 1 of the Indexed Job, on one network. In Kubernetes, index 0's name in MASTER_ADDR resolves
-    through the Job's headless Service; here each pod's /etc/hosts names index 0's fixed address."""
-    docs = rendered("k8s-multinode.yaml")
-    job = next(doc for doc in docs if doc["kind"] == "Job")
-    network, subnet = f"fmnist-{os.getpid()}", "10.89.77"
-    podman("network", "create", f"--subnet={subnet}.0/24", network)
-    pods = [pod_of(job, index) for index in (0, 1)]
-    master = next(e["value"] for e in pods[0]["spec"]["containers"][0]["env"] if e["name"] == "MASTER_ADDR")
-    for pod in pods:
-        pod["spec"]["hostAliases"] = [{"ip": f"{subnet}.10", "hostnames": [master]}]
-        env = pod["spec"]["containers"][0]["env"]
-        env[:] = [e for e in env if e["name"] not in ("WORKERS", "MLFLOW_TRACKING_URI")]
-        env += [{"name": "WORKERS", "value": "1"}] + [{"name": k, "value": v} for k, v in SMALL_RUN.items()]
-    for pod in pods:
-        volumes(pod)
-    containers = [f"{pod['metadata']['name']}-train" for pod in pods]
+def train_together(pods, tmp_path, config=None):
+    """The pods on one podman network, pod i at SUBNET.(10 + i), each with its own `podman kube play` (and the
+    ConfigMap they read); their statuses and logs, once all have ended."""
+    network = f"fmnist-{os.getpid()}"
+    podman("network", "create", f"--subnet={SUBNET}.0/24", network)
+    containers = [f"{pod['metadata']['name']}-{pod['spec']['containers'][0]['name']}" for pod in pods]
     played = []
     try:
         for index, pod in enumerate(pods):
-            played.append(play([pod], tmp_path, f"--network={network}", f"--ip={subnet}.{10 + index}"))
+            documents = [config, pod] if config else [pod]
+            played.append(play(documents, tmp_path, f"--network={network}", f"--ip={SUBNET}.{10 + index}"))
         statuses = [wait(container) for container in containers]
         logs = [podman("logs", container).stdout + podman("logs", container).stderr for container in containers]
     finally:
         for path in played:
             podman("kube", "down", str(path), check=False)
         podman("network", "rm", "--force", network, check=False)
-    assert statuses == [0, 0], logs
+    return statuses, logs
+
+
+def assert_trained_together(workspace, statuses, logs):
+    assert statuses == [0] * len(statuses), logs
     summary = json.loads((workspace / "outputs" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True
-    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
     assert foreign_files(workspace) == []
+
+
+SUBNET = "10.89.77"
+
+
+def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
+    """Index 0 and 1 of the Indexed Job, on one network. In Kubernetes, index 0's name in MASTER_ADDR resolves
+    through the Job's headless Service; here each pod's /etc/hosts names index 0's fixed address."""
+    job = next(doc for doc in rendered("k8s-multinode.yaml") if doc["kind"] == "Job")
+    master = next(e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
+                  if e["name"] == "MASTER_ADDR")
+    pods = [as_pod(f"{job['metadata']['name']}-{index}", job["spec"]["template"],
+                   {"JOB_COMPLETION_INDEX": str(index), "WORKERS": "1", "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
+                   [{"ip": f"{SUBNET}.10", "hostnames": [master]}]) for index in (0, 1)]
+    for pod in pods:
+        volumes(pod)
+    statuses, logs = train_together(pods, tmp_path)
+    assert_trained_together(workspace, statuses, logs)
+    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
+
+
+# --- the cluster's job operators' pods, as each operator would create them
+
+
+def test_the_ascendjobs_scheduler_and_worker_pods_train_together(image, workspace, volumes, tmp_path):
+    """The single-server AscendJob's Scheduler and Worker pods, named as ascend-operator names them
+    (<job>-<replica type>-<index>, pod.go), with the variables it gives the container named ascend
+    (component/ascend-operator/pkg/controllers/v1/env.go, setMindSporeEnv): the Scheduler's MS_SCHED_HOST is its
+    own pod IP; the Worker's is the Scheduler's Service, here the Scheduler pod's fixed address. MS_LOCAL_WORKER
+    is the NPUs the Worker requests (2), MS_WORKER_NUM that times the pods with NPUs (1), NPU_POD whether this
+    pod requests any. run.sh reads only these: the manifest sets no WORKERS, NODES or MASTER_ADDR."""
+    docs = rendered("k8s-ascendjob.yaml")
+    job, config = (next(doc for doc in docs if doc["kind"] == kind) for kind in ("AscendJob", "ConfigMap"))
+    del config["data"]["MLFLOW_TRACKING_URI"]  # the cluster's server; tracking is tested in test_tracking.py
+    config["data"].update(SMALL_RUN)
+    injected = {"MS_SCHED_HOST": f"{SUBNET}.10", "MS_SCHED_PORT": "2222", "MS_LOCAL_WORKER": "2",
+                "MS_WORKER_NUM": "2", "MS_NODE_RANK": "0", "MS_SERVER_NUM": "0"}
+    specs = job["spec"]["replicaSpecs"]
+    pods = [as_pod(f"{job['metadata']['name']}-scheduler-0", specs["Scheduler"]["template"],
+                   {**injected, "MS_ROLE": "MS_SCHED", "NPU_POD": "false"}),
+            as_pod(f"{job['metadata']['name']}-worker-0", specs["Worker"]["template"],
+                   {**injected, "MS_ROLE": "MS_WORKER", "NPU_POD": "true"})]
+    for pod in pods:
+        own = {item["name"] for item in pod["spec"]["containers"][0]["env"]}
+        assert not {"WORKERS", "NODES", "NODE_RANK", "MASTER_ADDR"} & own
+        volumes(pod)
+    statuses, logs = train_together(pods, tmp_path, config)
+    assert_trained_together(workspace, statuses, logs)
+    assert "node 0 of 1, 0 worker(s), scheduler" in logs[0] and "node 0 of 1, 2 worker(s), scheduler" in logs[1]
+
+
+def test_the_volcano_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
+    """The task's two pods with what Volcano gives them: the env plugin's VC_TASK_INDEX (and VK_TASK_INDEX), and
+    the svc plugin's names, pod 0's through hostAliases (volcano-sh/volcano, docs/user-guide/
+    how_to_use_svc_plugin.md and the env plugin). run.sh takes VC_TASK_INDEX for NODE_RANK."""
+    job = next(doc for doc in rendered("k8s-volcano.yaml") if doc["kind"] == "Job")
+    name, task = job["metadata"]["name"], job["spec"]["tasks"][0]
+    pods = [as_pod(f"{name}-{task['name']}-{index}", task["template"],
+                   {"VC_TASK_INDEX": str(index), "VK_TASK_INDEX": str(index), "WORKERS": "1",
+                    "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
+                   [{"ip": f"{SUBNET}.10", "hostnames": [f"{name}-{task['name']}-0.{name}"]}]) for index in (0, 1)]
+    for pod in pods:
+        volumes(pod)
+    statuses, logs = train_together(pods, tmp_path)
+    assert_trained_together(workspace, statuses, logs)
+    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
+
+
+def test_the_trainjobs_two_nodes_train_together(image, workspace, volumes, tmp_path):
+    """The runtime's node job with the TrainJob's env and resourcesPerNode, as Trainer's PlainML policy and JobSet
+    build it (kubeflow/trainer, manifests/base/runtimes): an Indexed Job's pods, with JOB_COMPLETION_INDEX, and
+    pod 0's name, <trainjob>-node-0-0.<trainjob>, through hostAliases."""
+    docs = rendered("k8s-trainer.yaml")
+    runtime, trainjob = (next(doc for doc in docs if doc["kind"] == kind)
+                         for kind in ("ClusterTrainingRuntime", "TrainJob"))
+    node = next(j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "node")
+    env = {item["name"]: item["value"] for item in trainjob["spec"]["trainer"]["env"]}
+    pods = [as_pod(f"{trainjob['metadata']['name']}-node-0-{index}", node["template"]["spec"]["template"],
+                   {**env, "JOB_COMPLETION_INDEX": str(index), "WORKERS": "1", "MLFLOW_TRACKING_URI": "",
+                    **SMALL_RUN}, [{"ip": f"{SUBNET}.10", "hostnames": [env["MASTER_ADDR"]]}],
+                   trainjob["spec"]["trainer"]["resourcesPerNode"]) for index in (0, 1)]
+    for pod in pods:
+        volumes(pod)
+    statuses, logs = train_together(pods, tmp_path)
+    assert_trained_together(workspace, statuses, logs)
