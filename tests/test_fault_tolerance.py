@@ -1,6 +1,7 @@
 """Checkpoints, automatic resume and fast failure, with real msrun and 2 CPU workers."""
 
 import re
+import shutil
 import subprocess
 import time
 
@@ -84,8 +85,9 @@ def test_resumed_job_continues_its_mlflow_run(killed_then_resumed):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2, 3]
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous(killed_then_resumed, longer_data):
-    cwd, _, _ = killed_then_resumed
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(killed_then_resumed, longer_data, tmp_path):
+    cwd = tmp_path / "copy"  # the module's run stays whole for the other tests, whichever runs first
+    shutil.copytree(killed_then_resumed[0], cwd, ignore=shutil.ignore_patterns(".lock"))
     newest = cwd / "out" / "checkpoints" / "epoch-0003.ckpt"
     newest.chmod(0o600)
     newest.write_bytes(newest.read_bytes()[:5000])  # as if the writer died half-way

@@ -182,8 +182,8 @@ BAD_INPUTS = {  # what is sent in "inputs", and what the answer must say
     "normalized floats": ([[[0.5] * 28] * 28], "must be whole numbers from 0 to 255"),
     "32x32 images": ([[[0] * 32] * 32], "shape"),
     "one image without its batch": ([[0] * 28] * 28, "shape"),
-    "an empty batch": ([], ""),
-    "text": ([[["dark"] * 28] * 28], ""),
+    "an empty batch": ([], "Failed to enforce schema of data '[]'"),  # MLflow's own check, before the model's
+    "text": ([[["dark"] * 28] * 28], "could not convert string to float: 'dark'"),
 }
 
 
@@ -200,6 +200,7 @@ def test_served_model_refuses_a_broken_request(served):
     invoke, _ = served
     status, answer = invoke(b'{"inputs": [[[0, 1')
     assert status == 400, answer
+    assert "Ensure that input is a valid JSON formatted string" in answer["message"], answer
 
 
 def test_training_loss_is_the_mean_over_ranks(tracked_run):
