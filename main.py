@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     laps = monitor.Laps()  # the phases before the first step
     try:
         cfg = settings.parse_config(argv)
-        job = join_job(cfg, data.load_checksums(cfg.checksums_file))
+        job = join_job(cfg)  # msrun's scheduler process stays in there until the job ends
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         return stop_early(job, exc, trainer, progress, saver, tracker)
 
 
-def join_job(cfg, checksums):
+def join_job(cfg):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
     device_name = distributed.resolve_device(cfg.device)
     amp_level = settings.resolve_amp(cfg.amp, device_name)
@@ -110,7 +110,7 @@ def join_job(cfg, checksums):
     local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
     threads = distributed.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
-    job = Job(cfg, checksums, device_name, amp_level, loss_scaling, isa_cap, distributed.cpu_description(),
+    job = Job(cfg, data.load_checksums(cfg.checksums_file), device_name, amp_level, loss_scaling, isa_cap, distributed.cpu_description(),
               distributed.Collective(rank, local_rank, world_size), local_workers, threads)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "

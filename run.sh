@@ -103,7 +103,7 @@ report_failure() {
   # msrun's log names the first failed worker's pid (-9 is a signal), found in its log; the scheduler, a frozen one.
   local pid="" code=$status log="" rank
   read -r pid code < <(grep -m1 -oE 'Worker process [0-9]+ exit with exception\. Error code: -?[0-9]+' \
-    "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || true
+    "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || code=$status
   rank=$(cat "$LOG_DIR/msrun.log" "$LOG_DIR/scheduler.log" 2>/dev/null |
     grep -m1 -oE 'worker [0-9]+ is the first one timed out' | grep -oE '[0-9]+') || true
   if [[ -n "$rank" && ! "$code" =~ ^(-9|2|3|4)$ ]]; then

@@ -201,6 +201,7 @@ def as_pod(name, template, env=None, host_aliases=None, resources=None):
     for volume in spec["volumes"]:
         if "emptyDir" in volume:
             volume["name"] = f"{volume['name']}-{name}"
+    spec.setdefault("restartPolicy", "Never")  # an operator recreates a failed pod itself, if at all
     if host_aliases:
         spec["hostAliases"] = host_aliases
     labels = template.get("metadata", {}).get("labels", {})
