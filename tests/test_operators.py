@@ -14,12 +14,14 @@ ClusterTrainingRuntime and TrainJob.
 
 import copy
 import shlex
+import signal
 import subprocess
 
 import jsonschema
 import pytest
 import yaml
 
+from fmnist import common
 from conftest import ROOT, job_env, rendered
 
 CRDS = ROOT.parent / "shared" / "crds"
@@ -70,6 +72,8 @@ def ascendjob_rules(job):
         problems.append(f"MindSpore needs exactly one Scheduler replica and Workers, got {sorted(specs)} "
                         f"with {specs.get('Scheduler', {}).get('replicas')} Scheduler(s)")
     for rtype, spec in specs.items():
+        if spec.get("restartPolicy") != "ExitCode":
+            problems.append(f"{rtype}: restartPolicy ExitCode retries a stopped or killed job, and no other")
         ascend = next((c for c in spec["template"]["spec"]["containers"] if c["name"] == "ascend"), None)
         if ascend is None:
             problems.append(f"{rtype}: no container named ascend")
@@ -177,13 +181,25 @@ def problems_of(docs):
     return found
 
 
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"{CRDS} is absent: the manifests are not checked against their CRDs")
 @pytest.mark.parametrize("manifest", MANIFESTS)
-def test_manifest_validates_against_its_crd_and_keeps_its_operators_rules(manifest):
+def test_manifest_validates_against_its_crd(manifest):
     docs = custom_resources(manifest)
-    assert docs
-    if not CRDS.is_dir():
-        print(f"{CRDS} is absent: the operator rules are checked, the CRDs' schemas are not")
-    assert problems_of(docs) == []
+    assert docs and [error for doc in docs for error in schema_errors(doc)] == []
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_manifest_keeps_its_operators_rules(manifest):
+    assert problems_of(custom_resources(manifest)) == []
+
+
+def test_the_jobs_exit_statuses_land_on_the_side_ascend_operator_retries():
+    """restartPolicy ExitCode (kubeflow/common, pkg/util/train: IsRetryableExitCode, an exit code of 128 or more)
+    retries a pod the job's own statuses say to retry, and no other."""
+    def retried(code):
+        return code >= 128
+    assert not any(retried(code) for code in (1, common.EXIT_USAGE, common.EXIT_DIVERGED, common.EXIT_DISK_FULL))
+    assert all(retried(128 + signum) for signum in (signal.SIGINT, signal.SIGKILL, signal.SIGTERM))
 
 
 def misspell(doc):
@@ -210,6 +226,15 @@ BROKEN = {  # manifest, how it is broken, what must be named
         "k8s-ascendjob.yaml",
         lambda doc: doc["spec"]["replicaSpecs"]["Scheduler"]["template"]["spec"]["containers"][0]["ports"][0].update(
             name="scheduler"), "Scheduler: no port named ascendjob-port"),
+    "ascendjob-without-framework-label": ("k8s-ascendjob.yaml", lambda doc: doc["metadata"]["labels"].pop("framework"),
+                                          "the label framework: mindspore is missing"),
+    "ascendjob-restarted-on-any-failure": (
+        "k8s-ascendjob.yaml", lambda doc: doc["spec"]["replicaSpecs"]["Worker"].update(restartPolicy="OnFailure"),
+        "Worker: restartPolicy ExitCode"),
+    "ascendjob-run-as-root": (
+        "k8s-ascendjob.yaml",
+        lambda doc: doc["spec"]["replicaSpecs"]["Worker"]["template"]["spec"]["securityContext"].pop("runAsNonRoot"),
+        "run as non-root"),
     "volcano-misspelt-field": ("k8s-volcano.yaml", lambda doc: doc["spec"].update(minAvaliable=2),
                                "'minAvaliable' was unexpected"),
     "volcano-missing-gang-size": ("k8s-volcano.yaml", lambda doc: doc["spec"].pop("minAvailable"),
@@ -217,6 +242,12 @@ BROKEN = {  # manifest, how it is broken, what must be named
     "volcano-failure-before-exit-codes": (
         "k8s-volcano.yaml", lambda doc: doc["spec"]["policies"].sort(key=lambda p: "exitCode" in p),
         "exit 2, 3 and 4 must abort the job before any PodFailed policy"),
+    "volcano-eviction-not-restarting": (
+        "k8s-volcano.yaml", lambda doc: doc["spec"]["policies"].remove({"event": "PodEvicted", "action": "RestartJob"}),
+        "an evicted pod must restart the job"),
+    "volcano-master-not-pod-0": (
+        "k8s-volcano.yaml", lambda doc: doc["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["env"][2].update(
+            value="fashion-mnist-volcano-node-1.fashion-mnist-volcano"), "MASTER_ADDR and NODES must name pod 0"),
     "volcano-without-svc": ("k8s-volcano.yaml", lambda doc: doc["spec"]["plugins"].pop("svc"),
                             "the svc and env plugins"),
     "trainer-misspelt-field": ("k8s-trainer.yaml", lambda doc: doc["spec"]["trainer"].update(numNode=2)
@@ -229,6 +260,11 @@ BROKEN = {  # manifest, how it is broken, what must be named
     "trainer-two-framework-policies": (
         "k8s-trainer.yaml", lambda doc: doc["spec"]["mlPolicy"].update(torch={}, mpi={})
         if doc["kind"] == "ClusterTrainingRuntime" else None, "Only one of the policy can be configured"),
+    "trainer-node-job-not-indexed": (
+        "k8s-trainer.yaml", lambda doc: doc["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"].pop(
+            "completionMode") if doc["kind"] == "ClusterTrainingRuntime" else None, "the node job must be Indexed"),
+    "trainer-another-runtime": ("k8s-trainer.yaml", lambda doc: doc["spec"]["runtimeRef"].update(
+        name="torch-distributed") if doc["kind"] == "TrainJob" else None, "is not this file's runtime"),
     "trainer-nodes-unlike-numnodes": ("k8s-trainer.yaml", lambda doc: doc["spec"]["trainer"].update(numNodes=3)
                                       if doc["kind"] == "TrainJob" else None, "NODES and MASTER_ADDR must follow"),
 }
