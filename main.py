@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     try:
         if collective.is_main:  # held until this process ends, however it ends: the kernel drops it then
             lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}")  # noqa: F841
-        splits, sources = get_data(job)
+        job, splits, sources = get_data(job)
+        cfg = job.cfg  # its batch size fitted to the data, if the default was too big for it
         shards, test_ds = data.shard(splits, cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
         evaluation = metrics.Evaluation(collective, len(data.CLASS_NAMES))
         if cfg.predict:
@@ -110,8 +111,9 @@ def join_job(cfg):
     local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
     threads = distributed.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
-    job = Job(cfg, data.load_checksums(cfg.checksums_file), device_name, amp_level, loss_scaling, isa_cap, distributed.cpu_description(),
-              distributed.Collective(rank, local_rank, world_size), local_workers, threads)
+    job = Job(cfg, data.load_checksums(cfg.checksums_file), device_name, amp_level, loss_scaling, isa_cap,
+              distributed.cpu_description(), distributed.Collective(rank, local_rank, world_size), local_workers,
+              threads)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "
              "settings %s", rank, world_size, os.getpid(), device_name, amp_level, loss_scaling, threads,
@@ -120,14 +122,14 @@ def join_job(cfg):
 
 
 def get_data(job):
-    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), and
-    where each file came from."""
+    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), where each
+    file came from, and the job with the settings checked against the data (a default fitted to it)."""
     cfg, collective = job.cfg, job.collective
     fetch_here = collective.is_local_main and (lambda: data.make_available(cfg, job.checksums, say=log.info))
     sources = collective.wait_for(fetch_here or None) or {}
     splits = data.load_splits(cfg.data_dir)
-    settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
-    return splits, sources
+    cfg = settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
+    return dataclasses.replace(job, cfg=cfg), splits, sources
 
 
 def build_model(job, evaluation):

@@ -47,8 +47,8 @@ class Config:
     """The settings of one job, as read and checked by parse_config(): the one table of them."""
 
     epochs: int = setting(10, "training epochs in total", check=POSITIVE, free_on_resume=True)
-    batch_size: int = setting(64, "batch size per device; the global batch is this times the world size",
-                              check=POSITIVE)
+    batch_size: int = setting(64, "batch size per device; the global batch is this times the world size (the "
+                              "default is lowered to fit a smaller training set)", check=POSITIVE)
     lr: float = setting(0.1, "learning rate", check=POSITIVE)
     optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"))
     momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE)
@@ -110,6 +110,7 @@ class Config:
 
 
 FIELDS = dataclasses.fields(Config)
+BATCH_SIZE = next(f for f in FIELDS if f.name == "batch_size")
 FREE_ON_RESUME = frozenset(f.name for f in FIELDS if f.metadata["free_on_resume"])
 
 
@@ -179,20 +180,22 @@ def fixed_loss_scale(mode):
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
-    """UsageError naming the setting and its limit unless a step's global batch fits the training set and every
-    rank has test images."""
+    """The settings, checked against the data: every rank has test images, and a step's global batch fits the
+    training set. The default batch size is lowered to fit a small one, with a warning; a batch size given is
+    UsageError naming its limit, as is a test set smaller than the world."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
                                 "each evaluate a share of it: use fewer workers")
-    if cfg.predict:  # no training: the rest is about training steps
-        return
-    per_step = cfg.batch_size * world_size
-    if per_step > train_count:
-        fix = (f"use --batch-size {train_count // world_size} or less" if train_count >= world_size
-               else "use fewer workers")
-        raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} "
-                                f"training images a step, but the training set has {train_count}: {fix} "
-                                "(flag or BATCH_SIZE)")
+    per_step, fitted = cfg.batch_size * world_size, train_count // world_size
+    if cfg.predict or per_step <= train_count:
+        return cfg
+    if cfg.batch_size == BATCH_SIZE.default and fitted:
+        common.log.warning("--batch-size %d (the default) with %d worker(s) is more than the %d training images: "
+                           "using %d", cfg.batch_size, world_size, train_count, fitted)
+        return dataclasses.replace(cfg, batch_size=fitted)
+    fix = f"use --batch-size {fitted} or less" if fitted else "use fewer workers"
+    raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} training "
+                            f"images a step, but the training set has {train_count}: {fix} (flag or BATCH_SIZE)")
 
 
 def usable_dir(path, flag):

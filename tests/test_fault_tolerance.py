@@ -137,6 +137,19 @@ def test_the_default_log_interval_fits_an_epoch_shorter_than_it(tiny_data, tmp_p
     assert re.search(r"epoch 2/2 done \| .* \| training ends in 0 s", result.stderr)
 
 
+def test_the_default_batch_size_fits_a_training_set_smaller_than_one_batch(tmp_path):
+    """40 training images under the default batch of 64: the job trains on batches of 40, and says so; a batch
+    size given is still refused (test_bad_input.py)."""
+    small = tmp_path / "small"
+    write_dataset(small, splits={"train": 40, "t10k": 16})
+    result = run_main(tmp_path, ["--data-dir", str(small), "--checksums-file", str(small / "CHECKSUMS"),
+                                 "--data-mirrors", "", "--output-dir", "out", "--epochs", "1", "--tracking", "off"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("--batch-size 64 (the default) with 1 worker(s) is more than the 40 training images: using 40"
+            in result.stderr)
+    assert read_summary(tmp_path / "out")["global_batch_size"] == 40
+
+
 def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds(tiny_data, tmp_path):
     base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
             "--output-dir", "out", "--batch-size", "16", "--log-interval", "8", "--tracking", "off"]
