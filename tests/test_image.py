@@ -275,15 +275,17 @@ def test_the_jobs_own_pod_trains_as_kubernetes_would_run_it(image, manifest, wor
     assert {mount["Destination"] for mount in inspected["Mounts"] if mount["RW"]} == {"/workspace", "/tmp"}
 
 
-def train_together(pods, tmp_path, config=None):
+def train_together(pods, tmp_path, volumes, workspace, config=None):
     """The pods on one podman network, pod i at SUBNET.(10 + i), each with its own `podman kube play` (and the
-    ConfigMap they read); their statuses and logs, once all have ended."""
+    ConfigMap they read), their volumes bound to the workspace; once all have ended, each must have exited 0 and
+    the two replicas of their world must be identical. Their logs."""
     network = f"fmnist-{os.getpid()}"
     podman("network", "create", f"--subnet={SUBNET}.0/24", network)
     containers = [f"{pod['metadata']['name']}-{pod['spec']['containers'][0]['name']}" for pod in pods]
     played = []
     try:
         for index, pod in enumerate(pods):
+            volumes(pod)
             documents = [config, pod] if config else [pod]
             played.append(play(documents, tmp_path, f"--network={network}", f"--ip={SUBNET}.{10 + index}"))
         statuses = [wait(container) for container in containers]
@@ -292,14 +294,15 @@ def train_together(pods, tmp_path, config=None):
         for path in played:
             podman("kube", "down", str(path), check=False)
         podman("network", "rm", "--force", network, check=False)
-    return statuses, logs
-
-
-def assert_trained_together(workspace, statuses, logs):
     assert statuses == [0] * len(statuses), logs
     summary = json.loads((workspace / "outputs" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True
     assert foreign_files(workspace) == []
+    return logs
+
+
+def node_logs(workspace):
+    return sorted(p.name for p in (workspace / "outputs" / "logs").iterdir())
 
 
 SUBNET = "10.89.77"
@@ -314,11 +317,8 @@ def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, t
     pods = [as_pod(f"{job['metadata']['name']}-{index}", job["spec"]["template"],
                    {"JOB_COMPLETION_INDEX": str(index), "WORKERS": "1", "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
                    [{"ip": f"{SUBNET}.10", "hostnames": [master]}]) for index in (0, 1)]
-    for pod in pods:
-        volumes(pod)
-    statuses, logs = train_together(pods, tmp_path)
-    assert_trained_together(workspace, statuses, logs)
-    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
+    train_together(pods, tmp_path, volumes, workspace)
+    assert node_logs(workspace) == ["node0", "node1"]
 
 
 # --- the cluster's job operators' pods, as each operator would create them
@@ -345,9 +345,7 @@ def test_the_ascendjobs_scheduler_and_worker_pods_train_together(image, workspac
     for pod in pods:
         own = {item["name"] for item in pod["spec"]["containers"][0]["env"]}
         assert not {"WORKERS", "NODES", "NODE_RANK", "MASTER_ADDR"} & own
-        volumes(pod)
-    statuses, logs = train_together(pods, tmp_path, config)
-    assert_trained_together(workspace, statuses, logs)
+    logs = train_together(pods, tmp_path, volumes, workspace, config)
     assert "node 0 of 1, 0 worker(s), scheduler" in logs[0] and "node 0 of 1, 2 worker(s), scheduler" in logs[1]
 
 
@@ -361,11 +359,8 @@ def test_the_volcano_jobs_two_pods_train_together(image, workspace, volumes, tmp
                    {"VC_TASK_INDEX": str(index), "VK_TASK_INDEX": str(index), "WORKERS": "1",
                     "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
                    [{"ip": f"{SUBNET}.10", "hostnames": [f"{name}-{task['name']}-0.{name}"]}]) for index in (0, 1)]
-    for pod in pods:
-        volumes(pod)
-    statuses, logs = train_together(pods, tmp_path)
-    assert_trained_together(workspace, statuses, logs)
-    assert sorted(p.name for p in (workspace / "outputs" / "logs").iterdir()) == ["node0", "node1"]
+    train_together(pods, tmp_path, volumes, workspace)
+    assert node_logs(workspace) == ["node0", "node1"]
 
 
 def test_the_trainjobs_two_nodes_train_together(image, workspace, volumes, tmp_path):
@@ -381,7 +376,4 @@ def test_the_trainjobs_two_nodes_train_together(image, workspace, volumes, tmp_p
                    {**env, "JOB_COMPLETION_INDEX": str(index), "WORKERS": "1", "MLFLOW_TRACKING_URI": "",
                     **SMALL_RUN}, [{"ip": f"{SUBNET}.10", "hostnames": [env["MASTER_ADDR"]]}],
                    trainjob["spec"]["trainer"]["resourcesPerNode"]) for index in (0, 1)]
-    for pod in pods:
-        volumes(pod)
-    statuses, logs = train_together(pods, tmp_path)
-    assert_trained_together(workspace, statuses, logs)
+    train_together(pods, tmp_path, volumes, workspace)
