@@ -181,7 +181,8 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     """The four verified IDX files in data_dir, with no request when they are there already; returns where each
     came from: {name: the data dir, a system directory, or the mirror's URL}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
-    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
+    problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
+    if all(problem is None for problem in problems.values()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +190,8 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
             for name, expected in checksums.items():
-                problem = problem_with_copy(data_dir, name, expected)
+                # A verified copy is hashed once; the others again: another job may have fetched them meanwhile.
+                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
                 if problem:
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(
