@@ -5,8 +5,7 @@
     ./run.sh                                                              # msrun with workers detected
 
 The same file runs on Ascend NPUs (HCCL) and on CPU (MindSpore's own collective); every setting is a flag and
-an environment variable (`python main.py --help`). main() is the training, one function per stage, over
-fmnist/, one module per concern: a network or dataset of your own means editing fmnist/model.py and data.py.
+a variable (`python main.py --help`). main() is the pipeline, one function per stage, over fmnist/.
 """
 
 import dataclasses
@@ -36,15 +35,12 @@ class Job:
     device: str
     amp_level: str
     loss_scaling: str
-    isa_cap: str  # oneDNN's instruction-set cap on x86-64 CPUs, else None
-    cpu: dict  # the CPU's model and ISA flags
+    cpu: dict  # the CPU's model, its ISA flags, oneDNN's cap on them (x86-64) and this worker's threads
     collective: distributed.Collective
     local_workers: int
-    threads: int
 
     @property
-    def resolved(self):
-        """What the run records beside the settings, and a resume must match."""
+    def resolved(self):  # what the run records beside the settings, and a resume must match
         return {"device": self.device, "world_size": self.collective.world_size, "amp_level": self.amp_level,
                 "loss_scaling": self.loss_scaling}
 
@@ -83,10 +79,8 @@ def main(argv=None) -> int:
     training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress,
                                        cfg.batch_size * collective.world_size, cfg.log_interval, laps,
                                        len(data.CLASS_NAMES), cfg.divergence_check == "on")
-    saver = None
-    if collective.is_main:  # one writer of checkpoints
-        saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints,
-                                            cfg.checkpoint_steps, progress, tracker, current, resumed)
+    saver = collective.is_main and checkpoints.CheckpointSaver(  # one writer of checkpoints
+        cfg.output_dir / "checkpoints", cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker, current, resumed)
     fit_start = time.perf_counter()
     try:
         with training.stop:  # SIGTERM becomes a request the ranks agree on
@@ -111,9 +105,9 @@ def join_job(cfg):
     local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
     threads = distributed.set_up_worker(device_name, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
     ms.set_seed(cfg.seed)  # identical initial weights on every replica: MindSpore does not broadcast them
-    job = Job(cfg, data.load_checksums(cfg.checksums_file), device_name, amp_level, loss_scaling, isa_cap,
-              distributed.cpu_description(), distributed.Collective(rank, local_rank, world_size), local_workers,
-              threads)
+    cpu = {**distributed.cpu_description(), "onednn_isa_cap": isa_cap, "threads_per_worker": threads}
+    job = Job(cfg, data.load_checksums(cfg.checksums_file), device_name, amp_level, loss_scaling, cpu,
+              distributed.Collective(rank, local_rank, world_size), local_workers)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap %s, "
              "settings %s", rank, world_size, os.getpid(), device_name, amp_level, loss_scaling, threads,
@@ -133,19 +127,18 @@ def get_data(job):
 
 
 def build_model(job, evaluation):
-    """The network, its loss, the optimizer and mixed precision as one Model (data-parallel: init_distributed
-    set gradients to be averaged across ranks)."""
+    """The network, its loss, the optimizer and mixed precision as one Model (init_distributed made it average
+    gradients across ranks)."""
     cfg = job.cfg
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
     # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
     scale = settings.fixed_loss_scale(job.loss_scaling) or 1.0
+    common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": scale}
     if cfg.optimizer == "adam":
-        optimizer = nn.Adam(net.trainable_params(), learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
-                            loss_scale=scale)
+        optimizer = nn.Adam(net.trainable_params(), **common_args)
     else:
-        optimizer = nn.SGD(net.trainable_params(), learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
-                           momentum=cfg.momentum if cfg.optimizer == "momentum" else 0.0, loss_scale=scale)
+        optimizer = nn.SGD(net.trainable_params(), momentum=cfg.momentum * (cfg.optimizer == "momentum"), **common_args)
     manager = None  # --loss-scale none
     if job.loss_scaling == "dynamic":
         manager = ms.amp.DynamicLossScaleManager()
@@ -195,7 +188,7 @@ def start_tracking(job, resumed, splits, sources):
         return tracker
     if collective.is_main:
         tracker = tracking.Tracker(cfg.output_dir, cfg.tracking == "on", node, cfg.tracking_wait)
-        params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.isa_cap,
+        params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
                   "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
                   "mindspore_version": ms.__version__, "job_version": common.JOB_VERSION}
         tags = {"device": job.device, "world_size": str(collective.world_size), "job_version": common.JOB_VERSION}
@@ -216,7 +209,6 @@ def start_tracking(job, resumed, splits, sources):
 def stop_early(job, exc, trainer, progress, saver, tracker):
     """The job ends without results. Divergence (exit 3) and a signal (128 + it) stop every rank at the same
     step, which rank 0 checkpoints on a signal; a full disk (exit 4) is rank 0's, the one writer's, alone."""
-    checkpoint_dir = job.cfg.output_dir / "checkpoints"
     if isinstance(exc, common.DiskFull):
         log.error("%s", exc)
         tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
@@ -229,10 +221,10 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
         if stopped:
             saver.save_now(trainer.train_network, progress.position)
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
-                        checkpoints.checkpoint_path(checkpoint_dir, progress.position))
+                        checkpoints.checkpoint_path(saver.directory, progress.position))
         else:
             log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
-                      "stay in %s", exc, exc.advice(job.cfg.lr), checkpoint_dir)
+                      "stay in %s", exc, exc.advice(job.cfg.lr), job.cfg.output_dir / "checkpoints")
         tracker.finish("KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
 
     try:
@@ -249,10 +241,11 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
     """The results, measured on every rank (gathers) and written by rank 0; exit 1 if the replicas differ."""
     cfg, collective = job.cfg, job.collective
-    history, final = progress.history, None
+    history = progress.history
+    final = {"accuracy": history[-1]["val_accuracy"], "loss": history[-1]["val_loss"], "confusion": progress.confusion}
     if progress.confusion is None:  # all trained before this run, maybe more epochs than asked: measure the model
         final = trainer.eval(test_ds, dataset_sink_mode=False)["test"]
-        progress.confusion = final["confusion"]
+    progress.confusion = final["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if not collective.is_main:
@@ -266,11 +259,10 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
     train_s = sum(e["train_s"] for e in history)
     summary = {
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
-        "loss_scaling": job.loss_scaling, **precision,
-        "cpu": {**job.cpu, "onednn_isa_cap": job.isa_cap, "threads_per_worker": job.threads},
+        "loss_scaling": job.loss_scaling, **precision, "cpu": job.cpu,
         "epochs": len(history), "global_batch_size": cfg.batch_size * collective.world_size,
-        "test_accuracy": final["accuracy"] if final else history[-1]["val_accuracy"],
-        "test_loss": final["loss"] if final else history[-1]["val_loss"], "test_samples": int(progress.confusion.sum()),
+        "test_accuracy": float(final["accuracy"]), "test_loss": float(final["loss"]),
+        "test_samples": int(final["confusion"].sum()),
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at,
         "startup_phases_s": timing["startup_phases_s"], "fit_s": timing["fit_s"],
@@ -279,8 +271,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
         "resumed_from_epoch": timing["resumed_from"].epoch, "resumed_from_step": timing["resumed_from"].step,
         "restarts": saver.restarts, "weights_sha256": fingerprints[0].tobytes().hex(),
         "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
-        "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(),
-        "epoch_history": history,
+        "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
     }
     outputs.write_all(cfg.output_dir, net, splits, progress, summary, cfg.seed, tracker, cfg.register_model)
     tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],

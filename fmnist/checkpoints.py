@@ -1,8 +1,6 @@
-"""Checkpoints and exact resume. Rank 0 writes one at each epoch's end, every --checkpoint-steps steps and when
-the ranks agree to stop: the weights, the optimizer state, the epoch and step (the data order follows from them)
-and the settings that shaped the training, CRC-checked, whole or absent. A restart continues from the newest
-good one and refuses another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16
-steps into epoch 3."""
+"""Checkpoints and exact resume: the weights, the optimizer, the epoch and step (the data order follows) and the
+training's settings, CRC-checked, whole or absent. A restart continues from the newest good one and refuses
+another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16 steps into epoch 3."""
 
 import dataclasses
 import json
@@ -61,24 +59,23 @@ def checkpoint_path(directory, position):
 
 def position_of(path):
     """The Position a checkpoint's name gives, or None for any other file."""
-    match = NAME.fullmatch(Path(path).name)
-    if not match:
-        return None
-    epoch, step = int(match.group(1)), int(match.group(2) or 0)
-    return Position(epoch - 1, step) if step else Position(epoch, 0)
+    if match := NAME.fullmatch(Path(path).name):
+        epoch, step = int(match[1]), int(match[2] or 0)
+        return Position(epoch - 1, step) if step else Position(epoch)
+    return None
 
 
 def newest_first(directory):
     """The checkpoints in `directory`, the newest (furthest into the training) first."""
-    found = [(position_of(path), path) for path in Path(directory).glob("epoch-*.ckpt")]
-    return [path for position, path in sorted((f for f in found if f[0] is not None), reverse=True)]
+    return sorted((path for path in Path(directory).glob("epoch-*.ckpt") if position_of(path)), key=position_of,
+                  reverse=True)
 
 
 def trajectory(cfg, resolved, train_network):
-    """What decides a training's course: the settings not free on resume, what the job resolved (amp, loss
-    scaling, world size, the data's checksums), and the parameters' shapes (the model and the optimizer)."""
+    """What decides a training's course: the settings not free on resume, what the job resolved (amp, world
+    size, the data's checksums...), and the parameters' shapes (the model and the optimizer)."""
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
-    return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in settings.FREE_ON_RESUME}, **resolved,
+    return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k in settings.COURSE}, **resolved,
             "parameter_shapes": shapes}
 
 
@@ -87,11 +84,9 @@ def resume_conflicts(meta, current):
     if meta.get("format") not in READABLE_FORMATS:
         return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
-    saved = meta["trajectory"]
-    conflicts = []
+    saved, conflicts = meta["trajectory"], []
     for name in sorted(set(saved) | set(current)):
-        if saved.get(name) != current.get(name):
-            was, now = saved.get(name), current.get(name)
+        if (was := saved.get(name)) != (now := current.get(name)):
             if name == "parameter_shapes":  # say which, not the whole table
                 was, now = was or {}, now or {}
                 differing = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
@@ -102,8 +97,8 @@ def resume_conflicts(meta, current):
 
 def load_latest_checkpoint(directory, train_network, current):
     """Resumed from the newest checkpoint that loads whole into `train_network` (a corrupt one is skipped with
-    a warning), or None. Another training's is UsageError naming every difference: continued with this job's
-    settings, it would make a model that no run describes."""
+    a warning), or None. Another training's is UsageError naming every difference: no run would describe the
+    model that continuing it makes."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -111,8 +106,7 @@ def load_latest_checkpoint(directory, train_network, current):
         except Exception as exc:  # pylint: disable=broad-except
             log.warning("skipping checkpoint %s: %s", path, str(exc).splitlines()[0])
             continue
-        conflicts = resume_conflicts(meta, current)
-        if conflicts:
+        if conflicts := resume_conflicts(meta, current):
             raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
                                     f"{'; '.join(conflicts)}. Start fresh with --resume never, or give another "
                                     "--output-dir")
@@ -132,8 +126,8 @@ def load_latest_checkpoint(directory, train_network, current):
 
 
 def agree_on_resume(collective, resumed, directory, epochs):
-    """The Position every rank resumes from (Position(): a fresh start); UsageError when the ranks found
-    different checkpoints, as nodes that share no output directory would. A collective."""
+    """The Position every rank resumes from (Position(): a fresh start); UsageError when ranks found different
+    checkpoints, as nodes that share no output directory would. A collective."""
     start = resumed.position if resumed else Position()
     agreed = collective.all_gather([start.epoch, start.step])
     if (agreed != agreed[0]).any():
@@ -146,10 +140,9 @@ def agree_on_resume(collective, resumed, directory, epochs):
 
 
 class CheckpointSaver(Callback):
-    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and when the
-    job stops (save_now). They are written on the training thread, in milliseconds for LeNet (docs/operations.md;
-    a large model would want MindSpore's async_save). After each step it records the step and the time in RECORD
-    (a small write in place that outlives a kill -9): the next start measures its restart's cost from it."""
+    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and on a stop
+    (save_now), on the training thread (milliseconds for LeNet; a large model would want async_save). After each
+    step it records the step and the time in RECORD, in place, so the next start measures what the restart cost."""
 
     def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
         super().__init__()
@@ -178,8 +171,7 @@ class CheckpointSaver(Callback):
             os.pwrite(self._record, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
 
     def log_restart_cost(self, step):
-        """The steps trained before the stop but not in the checkpoint resumed from, and the seconds from the
-        stop's last step to this first new one."""
+        """Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now."""
         last = self.resumed.last_step
         resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
         cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}

@@ -49,12 +49,6 @@ def duration(seconds):
     return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
-def start_thread(target, *args):
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
 def configure_logging(rank):
     logging.basicConfig(level=logging.INFO, force=True, datefmt="%H:%M:%S",
                         format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -62,8 +56,8 @@ def configure_logging(rank):
 
 @contextlib.contextmanager
 def atomic_path(path, suffix=""):
-    """A temporary name beside `path` for any writer, renamed to `path` when the block succeeds and removed when
-    it fails: `path` is complete or absent. `suffix` is for writers that insist on one (MindSpore's)."""
+    """A temporary name beside `path`, renamed to it when the block succeeds and removed when it fails: `path`
+    is whole or absent. `suffix` is for writers that insist on one (MindSpore's)."""
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
     with space_for(path):
@@ -97,10 +91,9 @@ def write_atomic(path, data, sync=True):
 
 
 def hold_lock(path, what, wait=False, probe=False):
-    """An exclusive flock on `path`, whose text names the holder; the open file holds it (and is a context
-    manager). flock, because the kernel drops it when its holder dies however it dies, so no stale lock blocks
-    a restart (NFS maps it onto its leases). Without `wait`, UsageError naming `what` and its holder when another
-    process holds it. A `probe` takes it shared, so it leaves the holder's text alone."""
+    """An exclusive flock on `path`, held by the open file returned (a context manager), whose text names the
+    holder: the kernel drops a flock when its holder dies however it dies, so no stale lock blocks a restart.
+    Without `wait`, UsageError naming `what` and its holder. A `probe` takes it shared, leaving the text alone."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

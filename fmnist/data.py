@@ -1,16 +1,6 @@
-"""The dataset, one of the two seams to replace for your own training: what the classes are, how a split is
-read, how images become the network's input, and how each rank gets its own shard of every epoch.
-
-What the rest of the job relies on:
-    CLASS_NAMES                 the label of each class index
-    load_checksums(path)        each file's expected SHA-256: Fashion-MNIST's, or those of --checksums-file
-    make_available(cfg, ...)    the files in cfg.data_dir, on one worker per node; returns where each came from
-    load_splits(dir)            Splits: the train and test Split, each images uint8 [N, H, W(, C)] and
-                                integer labels [N]
-    to_model_input(images)      float32 [N, C, H, W], the network's input (training and serving alike)
-    shard(splits, ...)          this rank's ShardBatches of every training epoch and its slice of the test set
-    train_dataset, eval_dataset their batches of (input, one-hot label), for Model.fit
-"""
+"""The dataset, one of the two seams to replace for your own training (model.py is the other): the classes,
+the splits as uint8 images [N, H, W(, C)] and integer labels, the network's input made from them
+(to_model_input, for training and serving alike), and each rank's shard of every epoch as Model.fit reads it."""
 
 import copy
 import dataclasses
@@ -20,7 +10,7 @@ import numpy as np
 import mindspore as ms
 
 from . import common, fetch
-from .fetch import load_checksums  # noqa: F401 (part of the seam above)
+from .fetch import load_checksums  # noqa: F401 (the expected SHA-256 of each file: part of the seam)
 
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
@@ -47,7 +37,7 @@ class Splits:
 
 def load_splits(data_dir):
     """The train and t10k splits of verified IDX files in `data_dir`."""
-    return Splits(load_split(data_dir, "train"), load_split(data_dir, "t10k"))
+    return Splits(*(load_split(data_dir, split) for split in ("train", "t10k")))
 
 
 def load_split(data_dir, split):
@@ -62,11 +52,9 @@ def load_split(data_dir, split):
 
 
 def to_model_input(images):
-    """The article's image transforms, applied once to a whole uint8 array [N, H, W(, C)]:
-    resize to 28x28, rescale by 1/255, HWC -> CHW, float32. Returns float32 [N, C, 28, 28].
-
-    Fashion-MNIST fits in memory many times over, so transforming it once beats a per-sample map each epoch.
-    """
+    """The article's transforms (resize to 28x28, rescale by 1/255, HWC -> CHW) as float32 [N, C, 28, 28],
+    applied once to the whole array: Fashion-MNIST fits in memory many times over, so this beats a per-sample
+    map each epoch."""
     if images.ndim == 3:
         images = images[..., None]
     if images.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
@@ -82,14 +70,9 @@ def one_hot(labels, num_classes=len(CLASS_NAMES)):
 
 
 class ShardBatches:
-    """This rank's share of every epoch, as whole batches of already-transformed arrays.
-
-    Each epoch draws one permutation from (seed, epoch), the same on every rank, and rank r takes the r-th
-    contiguous block of it, so shards are disjoint and together cover the epoch. Whole batches cost one
-    fancy-index each, where a per-sample source with the framework's sharding spent about a third of the
-    2-core machine's step time in the pipeline. The order is a function of (seed, epoch, step) alone, so a
-    resumed job that starts at `epoch` after `skip` steps trains the same batches as an uninterrupted one.
-    """
+    """This rank's share of every epoch in whole batches: rank r takes the r-th block of the epoch's permutation
+    of (seed, epoch), so shards are disjoint, and a job resumed `skip` steps into `epoch` trains the batches an
+    uninterrupted one would. A batch is one fancy-index (per-sample sharding cost a third of a step here)."""
 
     def __init__(self, images, labels, batch_size, rank, world_size, seed, epoch=0, skip=0):
         self.images, self.labels = images, labels
@@ -121,9 +104,8 @@ def shard(splits, batch_size, rank, world_size, seed):
 
 
 def train_dataset(shards, epoch=0, skip=0):
-    """The training batches of `shards` for Model.fit from epoch `epoch` (counted from 0), `skip` steps into
-    it. With `skip`, every epoch of the dataset is that short (MindSpore fixes a dataset's length once), so
-    such a dataset is for the rest of one interrupted epoch."""
+    """The training batches for Model.fit from epoch `epoch` (from 0), `skip` steps into it: with `skip`, for the
+    rest of one interrupted epoch only (MindSpore fixes a dataset's length for all its epochs)."""
     shards = copy.copy(shards)  # each dataset counts its own epochs
     shards.epoch, shards.skip = epoch, skip
     return ms.dataset.GeneratorDataset(shards, column_names=["image", "label"], shuffle=False,
@@ -131,9 +113,8 @@ def train_dataset(shards, epoch=0, skip=0):
 
 
 def eval_dataset(split, batch_size, rank, world_size):
-    """Every world_size-th test sample from `rank` on, in whole batches. The framework's sampler pads shards
-    to equal length by repeating samples, which would count some twice; slicing gives each sample to
-    exactly one rank."""
+    """Every world_size-th test sample from `rank` on: each sample is one rank's (the framework's sampler pads
+    shards to equal length by repeating samples, which would count some twice)."""
     shard = slice(rank, None, world_size)
     images, labels = to_model_input(split.images[shard]), one_hot(split.labels[shard])
     batches = [(images[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(images), batch_size)]

@@ -1,5 +1,5 @@
-"""This worker's place in the msrun job: its device and its share of the CPU, joining the job, the collectives
-the job needs, the replicas' weight check, and the agreement by which every rank stops at the same step."""
+"""This worker's place in the msrun job: its device and CPU share, joining, the collectives, the replicas' weight
+check, and the agreement by which every rank stops at the same step."""
 
 import concurrent.futures
 import hashlib
@@ -87,29 +87,22 @@ def worker_cores(cores, local_rank, local_workers):
     return cores[local_rank * share:(local_rank + 1) * share]
 
 
-def bind_to_cores(cores):
-    """Bind the calling thread, and every thread it starts later, to `cores`. MindSpore's threads spin while they
-    wait: unbound, two workers' threads take turns with each other's kernels (docs/performance.md)."""
-    os.sched_setaffinity(0, cores)
-
-
 def set_up_worker(device, local_rank, local_workers, bind, threads):
-    """This worker's cores (bound before MindSpore starts the pools that inherit the binding) and `threads`
-    threads, or one per core of its share, for the kernels and the data pipeline. Returns the thread count."""
+    """Bind this worker to its cores before MindSpore starts the pools that inherit the binding, and give the
+    kernels and the data pipeline `threads` threads, or one per core; returns the thread count."""
     cores = worker_cores(usable_cores(), local_rank, local_workers)
     threads = threads or len(cores)
     if device == "CPU":
-        if bind:
-            bind_to_cores(cores)
+        if bind:  # MindSpore's threads spin as they wait: unbound, two workers' threads preempt each other's kernels
+            os.sched_setaffinity(0, cores)
         ms.device_context.cpu.op_tuning.threads_num(threads)
     ms.dataset.config.set_num_parallel_workers(threads)
     return threads
 
 
 def init_distributed():
-    """Join the msrun job if there is one: (rank, local rank, world size), (0, 0, 1) for a lone process. The
-    backend follows the device: HCCL on Ascend, MindSpore's CPU collective on CPU. msrun's scheduler process
-    never returns from init(), which is why nothing costly happens before it."""
+    """Join the msrun job (HCCL on Ascend, MindSpore's own collective on CPU): (rank, local rank, world size), or
+    (0, 0, 1) alone. msrun's scheduler process never returns from init(): nothing costly happens before it."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
     if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
@@ -123,9 +116,8 @@ def init_distributed():
 
 
 class Collective:
-    """The job's collectives on numpy arrays, for any world size, and who does what: rank 0 writes the results,
-    each node's first worker fetches the data. AllGather serves for reductions too: on CPU AllReduce takes only
-    float32, and the rows give the per-rank view."""
+    """The job's collectives on numpy arrays, and who does what: rank 0 writes, each node's first worker fetches.
+    AllGather serves for reductions too: on CPU AllReduce takes only float32, and rows give the per-rank view."""
 
     def __init__(self, rank, local_rank, world_size):
         self.rank, self.world_size = rank, world_size
@@ -138,10 +130,9 @@ class Collective:
         return array[None] if self._gather is None else self._gather(Tensor(array[None])).asnumpy()
 
     def wait_for(self, work=None):
-        """Run `work` (None: nothing) on this rank while every rank polls with small gathers until all are done;
-        its result, or its error. MindSpore's CPU collective fails a receive that waits longer than
-        MS_NODE_TIMEOUT (5 s under run.sh), so no rank waits for another's long work in one collective.
-        UsageError on the ranks whose own work went well when another rank's failed."""
+        """`work`'s result (None: no work on this rank), while every rank polls with small gathers until all are
+        done: MindSpore's CPU collective fails a receive that waits over MS_NODE_TIMEOUT. Its error on its rank,
+        UsageError on the others."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
             while True:
@@ -188,9 +179,8 @@ class Terminated(Exception):
 
 
 class StopRequest:
-    """SIGTERM and SIGINT during training, recorded for the ranks to agree on at the next log interval (a rank
-    stopping alone would leave the others in a collective). Outside training they end the process at once:
-    everything it writes is atomic."""
+    """SIGTERM and SIGINT during training, recorded for the ranks to agree on at the next log interval (one rank
+    stopping alone would leave the others in a collective); outside it they end the process: every write is atomic."""
 
     signum = 0
 

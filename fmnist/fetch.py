@@ -1,5 +1,5 @@
-"""Getting the four IDX files into the data directory, verified, from the first source that has them: a copy
-already there, a system copy (Debian's dataset-fashion-mnist), or a download from a mirror. No MindSpore."""
+"""The four IDX files in the data directory, verified, from the first source that has them: a copy already there,
+a system copy (Debian's dataset-fashion-mnist), or a mirror. No MindSpore."""
 
 import gzip
 import hashlib
@@ -14,8 +14,7 @@ import numpy as np
 
 from . import common
 
-# SHA-256 of the decompressed IDX files of the official release. Hashing the content rather than the .gz
-# accepts re-compressed copies such as Debian's dataset-fashion-mnist package.
+# SHA-256 of the official release's IDX files, decompressed: re-compressed copies (Debian's) match too.
 FASHION_MNIST_SHA256 = {
     "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
     "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
@@ -24,16 +23,15 @@ FASHION_MNIST_SHA256 = {
 }
 SYSTEM_DATA_DIRS = ("/usr/share/datasets/fashion-mnist",)  # Debian/Ubuntu package dataset-fashion-mnist
 DOWNLOAD_RETRIES = 3
-# A transfer slower than this on average, once it has run --download-timeout seconds, is a trickle: a proxy or
-# mirror that would otherwise hold the job for days, one byte per read timeout. The official mirror gives MB/s.
+# Slower than this on average after --download-timeout seconds is a trickle: a proxy that would hold the job for
+# days, one byte per read time-out.
 DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
 DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
 PROGRESS_S = 5  # between the progress lines of a download
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # unsigned bytes, by number of dimensions
 
 
-def content(raw, name="IDX data"):
-    """The IDX bytes of a file, gzipped or not."""
+def content(raw, name="IDX data"):  # the IDX bytes of a file, gzipped or not
     try:
         return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
     except (OSError, EOFError) as exc:
@@ -95,7 +93,7 @@ class TooSlow(ConnectionError):
 
 def receive(url, response, timeout, deadline, say):
     """The body of `response`, within the size cap, the minimum rate and the deadline, with a line every
-    PROGRESS_S seconds: the bytes so far, the rate and the time left."""
+    PROGRESS_S seconds saying the bytes so far, the rate and the time left."""
     total = int(response.headers.get("Content-Length") or 0)
     if total > DOWNLOAD_MAX_BYTES:
         raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
@@ -125,8 +123,8 @@ def receive(url, response, timeout, deadline, say):
 
 
 def download(url, timeout, say=print, deadline=600.0):
-    """The bytes at `url`: `timeout` per read, `deadline` in all, DOWNLOAD_RETRIES attempts for transient
-    failures. urllib3's Retry would cover the request, not a body cut or stalled half-way: one loop does both."""
+    """The bytes at `url`: `timeout` per read, `deadline` in all, DOWNLOAD_RETRIES attempts at transient failures
+    (urllib3's Retry covers the request, not a body cut half-way: one loop does both)."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
@@ -145,7 +143,7 @@ def download(url, timeout, say=print, deadline=600.0):
 
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0, failures=()):
     """A verified copy of one IDX file in data_dir from the first source that has one, in place of any bad copy;
-    returns where it came from: the URL of a mirror, the directory of a system copy."""
+    returns the source: a mirror's URL, or a system copy's directory."""
     failures = [failure for failure in failures if failure]  # what was wrong with the copy in data_dir
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in system_dirs]
     sources = [(d, copy) for d, copy in found if copy] + [(f"{url.rstrip('/')}/{name}.gz", None) for url in mirrors]
@@ -178,8 +176,7 @@ def problem_with_copy(data_dir, name, expected):
 
 
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
-    """The four verified IDX files in data_dir, with no request when they are there already; returns where each
-    came from: {name: the data dir, a system directory, or the mirror's URL}."""
+    """The four verified IDX files in data_dir, with no request when they are there; {name: where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
     problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
     if all(problem is None for problem in problems.values()):

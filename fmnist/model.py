@@ -1,22 +1,14 @@
-"""The network, the other seam to replace for your own training: build_network(num_classes) returns an
-nn.Cell that maps float32 [N, C, 28, 28] (data.to_model_input) to logits [N, num_classes].
-
-Nothing else in the job knows its layers: checkpoints, resume, the MindIR export, MLflow and serving all
-work on whatever cell this returns.
-"""
+"""The network, the other seam to replace for your own training: build_network(num_classes), a cell from float32
+[N, C, 28, 28] (data.to_model_input) to logits [N, num_classes]. Nothing else in the job knows its layers."""
 
 import mindspore as ms
 from mindspore import nn, ops
 
 
 class MaxPool2x2(nn.Cell):
-    """nn.MaxPool2d(2, 2): the same windows, maxima and gradients, bit for bit.
-
-    On CPU, an even-sized input is pooled as adaptive max-pooling to half its size, which tiles it with the
-    same 2x2 windows. That is MindSpore's own kernel; nn.MaxPool2d is oneDNN's, which for plain NCHW under the
-    job's AVX2 cap (fmnist/distributed.py) is its reference code, and slow (docs/performance.md, "Where a step
-    goes"). Elsewhere, and for odd sizes, it is nn.MaxPool2d itself.
-    """
+    """nn.MaxPool2d(2, 2) bit for bit. On CPU an even-sized input is pooled by MindSpore's adaptive max-pooling
+    to half its size (the same 2x2 windows): nn.MaxPool2d's oneDNN kernel for plain NCHW under the job's AVX2
+    cap is its slow reference code (docs/performance.md, "Where a step goes")."""
 
     def __init__(self):
         super().__init__()

@@ -60,12 +60,10 @@ class Laps:
     """The job's phases on the way to its first step, timed as they end: laps("join") after joining, etc."""
 
     def __init__(self):
-        self.started = self._last = time.perf_counter()
-        self.laps = {}
+        self.started, self.laps = time.perf_counter(), {}
 
     def __call__(self, phase):
-        now = time.perf_counter()
-        self.laps[phase], self._last = now - self._last, now
+        self.laps[phase] = time.perf_counter() - self.started - sum(self.laps.values())
 
 
 class TrainingMonitor(Callback):
@@ -96,8 +94,9 @@ class TrainingMonitor(Callback):
             overflowed = ops.cast(outputs[1], ms.int32)
             self._overflows = overflowed if self._overflows is None else self._overflows + overflowed
             self._loss_scale = outputs[2]
-        self._loss_steps, self._epoch_steps, self._interval_steps = (
-            self._loss_steps + 1, self._epoch_steps + 1, self._interval_steps + 1)
+        self._loss_steps += 1
+        self._epoch_steps += 1
+        self._interval_steps += 1
         progress.position = checkpoints.Position(cb.cur_epoch_num - 1,
                                                  progress.position.step % self.steps_per_epoch + 1)
         progress.steps_done += 1

@@ -14,12 +14,8 @@ from . import common, data, distributed, metrics, model
 
 
 def export_mindir(net, path):
-    """The model for inference as MindIR, for any batch size, written whole or not at all.
-
-    MindSpore's exporter refuses a file name with any character outside [0-9a-zA-Z@_-.:/\\], such as a space
-    or an accent in a directory's name; it writes here through the open directory's name under /proc/self/fd,
-    which has none of those, whatever the directory is called.
-    """
+    """The model for inference as MindIR, for any batch size, whole or absent. It is written through the open
+    directory's /proc/self/fd name: MindSpore's exporter refuses a space or an accent in a file name."""
     any_batch = Tensor(shape=[None, 1, data.IMAGE_SIZE, data.IMAGE_SIZE], dtype=ms.float32)
     with common.atomic_path(path, suffix=".mindir") as tmp:
         directory = os.open(tmp.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -30,8 +26,7 @@ def export_mindir(net, path):
 
 
 def load_model(path):
-    """A saved model as a cell: an exported MindIR, or a checkpoint of model.build_network()'s weights.
-    UsageError when the file is missing or is neither."""
+    """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else UsageError."""
     path = Path(path)
     if not path.is_file():
         raise common.UsageError(f"--predict {path}: no such file; give a model.ckpt or model.mindir from a "
@@ -70,40 +65,28 @@ def prediction_frame(logits):
                          "probabilities": [row.tolist() for row in probabilities]})
 
 
-# MindSpore's graph executor, one per process behind every cell, is not safe to enter from two threads: two
-# calls at once crash the process (SIGSEGV) or hang it, whether they share one cell or each have their own.
-# `mlflow models serve` answers requests on a pool of threads, so the network runs one batch at a time; the
-# checks and the answer around it do not wait (docs/performance.md has what that costs).
+# MindSpore's graph executor, one per process, crashes or hangs when two threads enter it at once, and
+# `mlflow models serve` answers on a pool of threads: the network runs one batch at a time.
 _GRAPH_EXECUTOR = threading.Lock()
 
 
 def pixels(batch):
-    """The served model's input contract: a batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files
-    hold them. Returns it as uint8; ValueError naming what is wrong (MLflow answers it with 400)."""
-    values = np.asarray(batch)
-    expected = (data.IMAGE_SIZE, data.IMAGE_SIZE)
-    if values.dtype.kind not in "biuf":
-        raise ValueError(f"pixel values must be numbers; got values of type {values.dtype}")
-    if values.ndim != 3 or values.shape[1:] != expected:
-        raise ValueError(f"expected a batch of {expected[0]}x{expected[1]} images, shape [N, {expected[0]}, "
-                         f"{expected[1]}]; got shape {list(values.shape)}")
-    if values.shape[0] == 0:
-        raise ValueError("the batch is empty: send at least one image")
-    if not np.isfinite(values).all():
-        raise ValueError("pixel values must be finite numbers from 0 to 255")
-    fractional = values[values != np.round(values)]
+    """The served model's input, a batch [N, 28, 28] of whole numbers from 0 to 255 as the IDX files hold them,
+    as uint8; else ValueError naming what is wrong (MLflow answers it with 400). MLflow's schema has checked
+    the shape and that they are numbers."""
+    values = np.asarray(batch, dtype=np.float64)
+    fractional = values[values != np.round(values)]  # NaN among them
     if fractional.size:
         raise ValueError(f"pixel values must be whole numbers from 0 to 255, as in the IDX files; got "
                          f"{fractional.flat[0]:g} (normalized values are not accepted: send the raw pixels)")
-    if values.min() < 0 or values.max() > 255:
-        bad = values[(values < 0) | (values > 255)].flat[0]
-        raise ValueError(f"pixel values must be from 0 to 255; got {bad:g}")
+    outside = values[(values < 0) | (values > 255)]  # infinities among them
+    if outside.size:
+        raise ValueError(f"pixel values must be from 0 to 255; got {outside.flat[0]:g}")
     return values.astype(np.uint8)
 
 
 class ServedModel:
-    """The exported model as `mlflow models serve` runs it. In: pixels(). Out: prediction_frame(). The
-    preprocessing is the training's own (data.to_model_input)."""
+    """The exported model as `mlflow models serve` runs it: pixels() in, prediction_frame() out."""
 
     def __init__(self, mindir):
         self.net = nn.GraphCell(ms.load(str(mindir)))

@@ -1,10 +1,7 @@
-"""The job's settings: one table, from which the parser, the checks and the set a resume may change all come.
-Every setting is a flag and an environment variable (--batch-size <-> BATCH_SIZE <-> cfg.batch_size); the flag
-wins. run.sh checks them before msrun starts anything, without MindSpore, in a fraction of a second (main.py
-checks the same on every rank); it prints the output directory, or one line and exit 2:
-
-    python -m fmnist.settings WORLD_SIZE [main.py flags...]
-"""
+"""The job's settings, one table from which the parser, the checks and the set a resume may change all come:
+every setting is a flag and an environment variable (--batch-size, BATCH_SIZE, cfg.batch_size); the flag wins.
+`python -m fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun starts, without MindSpore: it
+prints the output directory, or one line and exit 2."""
 
 import argparse
 import dataclasses
@@ -20,7 +17,6 @@ DEVICES = ("auto", "Ascend", "CPU")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
 
 
-# Checks: what a value must be, and the words for it.
 POSITIVE = (lambda value: value > 0, "must be positive")
 NON_NEGATIVE = (lambda value: value >= 0, "must be >= 0")
 BELOW_ONE = (lambda value: 0 <= value < 1, "must be in [0, 1)")
@@ -30,79 +26,69 @@ LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_
 
 def is_positive_number(text):
     try:
-        return math.isfinite(float(text)) and float(text) > 0
+        return 0 < float(text) < math.inf
     except ValueError:
         return False
 
 
-def setting(default, help, env="", choices=(), check=None, free_on_resume=False):  # noqa: A002 (argparse's word)
-    """A field of Config: its default, help, variable (the flag in capitals unless given), choices, check, and
-    whether a resume may change it (where things are, how progress shows, how long to train: not its course)."""
+def setting(default, help, env="", choices=(), check=None, course=False):  # noqa: A002 (argparse's word)
+    """A field of Config: its default, help, variable (else the flag in capitals), choices, check, and whether it
+    shapes the training's course, which a resume must keep (where things are and how long to train do not)."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices,
-                                                         "check": check, "free_on_resume": free_on_resume})
+                                                         "check": check, "course": course})
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The settings of one job, as read and checked by parse_config(): the one table of them."""
 
-    epochs: int = setting(10, "training epochs in total", check=POSITIVE, free_on_resume=True)
+    epochs: int = setting(10, "training epochs in total", check=POSITIVE)
     batch_size: int = setting(64, "batch size per device; the global batch is this times the world size (the "
-                              "default is lowered to fit a smaller training set)", check=POSITIVE)
-    lr: float = setting(0.1, "learning rate", check=POSITIVE)
-    optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"))
-    momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE)
-    weight_decay: float = setting(0.0, "L2 weight decay", check=NON_NEGATIVE)
+                              "default is lowered to fit a smaller training set)", check=POSITIVE, course=True)
+    lr: float = setting(0.1, "learning rate", check=POSITIVE, course=True)
+    optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"), course=True)
+    momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE, course=True)
+    weight_decay: float = setting(0.0, "L2 weight decay", check=NON_NEGATIVE, course=True)
     # amp and loss scale are free as asked for: what the job resolves them to is checked on resume instead.
-    amp: str = setting("auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS,
-                       free_on_resume=True)
+    amp: str = setting("auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS)
     loss_scale: str = setting("auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed scale; "
-                              "auto is dynamic for O2 on Ascend and none otherwise", check=LOSS_SCALE,
-                              free_on_resume=True)
-    device: str = setting("auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES)
-    seed: int = setting(42, "random seed; the same on every rank so all replicas start identical")
-    data_dir: Path = setting(Path("data"), "where Fashion-MNIST is, or is put", free_on_resume=True)
+                              "auto is dynamic for O2 on Ascend and none otherwise", check=LOSS_SCALE)
+    device: str = setting("auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES, course=True)
+    seed: int = setting(42, "random seed; the same on every rank so all replicas start identical", course=True)
+    data_dir: Path = setting(Path("data"), "where Fashion-MNIST is, or is put")
     data_mirrors: str = setting(OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in order "
-                                "after local copies; empty: never download", free_on_resume=True)
+                                "after local copies; empty: never download")
     checksums_file: str = setting("", "sha256sum-style file replacing the pinned checksums of the four IDX files "
-                                  "(to train on another IDX dataset)", free_on_resume=True)
+                                  "(to train on another IDX dataset)")
     download_timeout: float = setting(30.0, "seconds without progress before a download attempt is abandoned",
-                                      check=POSITIVE, free_on_resume=True)
+                                      check=POSITIVE)
     download_deadline: float = setting(600.0, "seconds one file's download may take in all, whatever its "
-                                       "progress", check=POSITIVE, free_on_resume=True)
-    output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go", free_on_resume=True)
+                                       "progress", check=POSITIVE)
+    output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go")
     resume: str = setting("auto", "auto: continue from the newest good checkpoint in the output dir; never: start "
-                          "fresh", choices=("auto", "never"), free_on_resume=True)
+                          "fresh", choices=("auto", "never"))
     checkpoint_steps: int = setting(0, "also checkpoint every N steps, so that a kill -9 loses fewer than N steps; "
-                                    "0: at the end of each epoch only",
-                                    check=NON_NEGATIVE, free_on_resume=True)
-    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=POSITIVE,
-                                    free_on_resume=True)
-    predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit",
-                           free_on_resume=True)
-    experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME",
-                              free_on_resume=True)
-    run_name: str = setting("", "MLflow run name (default: MLflow picks one)", free_on_resume=True)
+                                    "0: at the end of each epoch only", check=NON_NEGATIVE)
+    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=POSITIVE)
+    predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit")
+    experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME")
+    run_name: str = setting("", "MLflow run name (default: MLflow picks one)")
     tracking: str = setting("on", "on: the MLflow journal in the output dir, sent as the job goes; offline: the "
                             "journal only, for `python -m fmnist.tracking sync`; off: none",
-                            choices=("on", "offline", "off"), free_on_resume=True)
+                            choices=("on", "offline", "off"))
     tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow server before leaving "
-                                 "the rest in the journal", check=POSITIVE, free_on_resume=True)
+                                 "the rest in the journal", check=POSITIVE)
     register_model: str = setting("", "register the trained model under this name in the MLflow Model Registry "
-                                  "(default: not registered)", free_on_resume=True)
+                                  "(default: not registered)")
     divergence_check: str = setting("on", "on: stop as diverged (exit 3) when the training loss explodes, or when "
                                     "after the first epoch past 200 steps the network does no better than chance; "
-                                    "off: only a non-finite loss stops it", choices=("on", "off"),
-                                    free_on_resume=True)
+                                    "off: only a non-finite loss stops it", choices=("on", "off"))
     log_interval: int = setting(100, "steps between progress lines and training-loss points; an epoch's end "
-                                "closes one too", check=POSITIVE,
-                                free_on_resume=True)
+                                "closes one too", check=POSITIVE)
     threads: int = setting(0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of the "
-                           "worker's share of this machine (see --cpu-bind)", check=NON_NEGATIVE,
-                           free_on_resume=True)
+                           "worker's share of this machine (see --cpu-bind)", check=NON_NEGATIVE)
     cpu_bind: str = setting("on", "on: bind each CPU worker to its own share of this machine's cores, divided "
-                            "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"),
-                            free_on_resume=True)
+                            "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"))
 
     @property
     def mirrors(self):
@@ -111,7 +97,7 @@ class Config:
 
 FIELDS = dataclasses.fields(Config)
 BATCH_SIZE = next(f for f in FIELDS if f.name == "batch_size")
-FREE_ON_RESUME = frozenset(f.name for f in FIELDS if f.metadata["free_on_resume"])
+COURSE = frozenset(f.name for f in FIELDS if f.metadata["course"])
 
 
 def flag(field):
@@ -157,15 +143,12 @@ def parse_config(argv=None):
 
 
 def resolve_amp(amp, device):
-    # float16 pays off on Ascend's cube units; on CPU it only adds casts (measured 1.4x slower than O0).
-    if amp != "auto":
-        return amp
-    return "O2" if device == "Ascend" else "O0"
+    # float16 pays off on Ascend's cube units; on CPU it only adds casts.
+    return amp if amp != "auto" else "O2" if device == "Ascend" else "O0"
 
 
 def resolve_loss_scale(loss_scale, amp_level, device):
-    """"none", "dynamic" or "fixed:<scale>". auto is MindSpore's default per level on Ascend (dynamic for O2),
-    and none on CPU, where MindSpore refuses dynamic scaling."""
+    """"none", "dynamic" or "fixed:<scale>"; auto is MindSpore's default on Ascend (dynamic for O2), else none."""
     if loss_scale == "auto":
         return "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
     if loss_scale == "dynamic" and device == "CPU":
@@ -181,8 +164,7 @@ def fixed_loss_scale(mode):
 
 def check_against_data(cfg, world_size, train_count, test_count):
     """The settings, checked against the data: every rank has test images, and a step's global batch fits the
-    training set. The default batch size is lowered to fit a small one, with a warning; a batch size given is
-    UsageError naming its limit, as is a test set smaller than the world."""
+    training set; the default batch size is lowered to fit, with a warning. Else UsageError naming the limit."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
                                 "each evaluate a share of it: use fewer workers")
@@ -200,8 +182,7 @@ def check_against_data(cfg, world_size, train_count, test_count):
 
 def usable_dir(path, flag):
     """UsageError unless `path` is a directory this process may write in, or can create as one."""
-    path = Path(path)
-    existing = path
+    existing = Path(path)
     while not existing.exists() and existing != existing.parent:  # the nearest ancestor that exists decides
         existing = existing.parent
     if not existing.is_dir():
@@ -212,8 +193,8 @@ def usable_dir(path, flag):
 
 
 def data_counts(data_dir, checksums):
-    """(training images, test images) from the label files when all four files are there, else None: the job
-    fetches them, and checks. The job verifies the checksums anyway, so start-up hashes the data once."""
+    """(training images, test images) from the label files when all four files are there (unverified: the job
+    verifies them), else None."""
     if not all(fetch.local_copy(data_dir, name) for name in checksums):
         return None
     try:
@@ -223,31 +204,26 @@ def data_counts(data_dir, checksums):
         return None
 
 
-def check_before_start(argv, world_size):
-    """The checked settings, after every check that needs no MindSpore and no download; UsageError."""
-    cfg = parse_config(argv)
-    checksums = fetch.load_checksums(cfg.checksums_file)
-    if cfg.loss_scale == "dynamic":  # the one setting the device decides on, so the one check that needs MindSpore
-        from . import distributed  # pylint: disable=import-outside-toplevel
-        target = distributed.resolve_device(cfg.device)
-        resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
-    usable_dir(cfg.output_dir, "--output-dir")
-    lock = cfg.output_dir / ".lock"
-    if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
-        common.hold_lock(lock, f"--output-dir {cfg.output_dir}", probe=True).close()
-    counts = data_counts(cfg.data_dir, checksums)
-    if counts is None:
-        usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there
-    else:
-        check_against_data(cfg, world_size, *counts)
-    return cfg
-
-
 def main(argv):
+    """run.sh's check before msrun starts: every check that needs no MindSpore and no download."""
     try:
         if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
             raise common.UsageError("usage: python -m fmnist.settings WORLD_SIZE [main.py flags...]")
-        cfg = check_before_start(argv[1:], int(argv[0]))
+        cfg = parse_config(argv[1:])
+        checksums = fetch.load_checksums(cfg.checksums_file)
+        if cfg.loss_scale == "dynamic":  # the one setting the device decides on, the one check needing MindSpore
+            from . import distributed  # pylint: disable=import-outside-toplevel
+            target = distributed.resolve_device(cfg.device)
+            resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
+        usable_dir(cfg.output_dir, "--output-dir")
+        lock = cfg.output_dir / ".lock"
+        if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
+            common.hold_lock(lock, f"--output-dir {cfg.output_dir}", probe=True).close()
+        counts = data_counts(cfg.data_dir, checksums)
+        if counts is None:
+            usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there
+        else:
+            check_against_data(cfg, int(argv[0]), *counts)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE

@@ -133,9 +133,8 @@ class Sender:
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model`, loaded by fmnist.serving; registered when asked. Its input
-        is declared float64, though pixels are whole numbers: MLflow casts a request's JSON to the declared type,
-        and uint8 would wrap 300 to 44 unseen; float64 leaves every value to serving.pixels to judge."""
+        """The MindIR as the run's pyfunc model `model` (fmnist.serving loads it), registered when asked. Its input
+        is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd  # pylint: disable=import-outside-toplevel
         example = np.asarray(op["example"], dtype=np.float64)
         with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
@@ -175,8 +174,8 @@ class Tracker:
         return self.sender and self.sender.run_id
 
     def start(self, experiment, run_name, params, tags, datasets, continues):
-        """Journal the run's start with MLflow's context tags (user, source, commit) resolved where the job runs;
-        online, wait at most START_WAIT_S for the server's answer."""
+        """Journal the run's start, with MLflow's context tags (user, source, commit) resolved here; online, wait
+        at most START_WAIT_S for the server's answer."""
         import mlflow  # pylint: disable=import-outside-toplevel
         params = {key: str(value) for key, value in params.items()}
         self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
@@ -184,14 +183,16 @@ class Tracker:
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
-            self.thread = common.start_thread(self._follow)
+            self.thread = threading.Thread(target=self._follow, daemon=True)
+            self.thread.start()
             while (self.sender.offset < started_at and not self.sender.failures and self.thread.is_alive()
                    and time.monotonic() < deadline):
                 time.sleep(0.05)
             if self.sender.refused:
                 self.journal.rollback()
                 raise Refused(self.sender.refused)
-        common.start_thread(sample_system, self.log_metrics, self.node, self.system_stopped)
+        threading.Thread(target=sample_system, args=(self.log_metrics, self.node, self.system_stopped),
+                         daemon=True).start()
 
     def log_metrics(self, values, step):
         values = {key: float(value) for key, value in values.items()}
@@ -268,8 +269,7 @@ def dataset_entities(splits, checksums, sources):
             warnings.simplefilter("ignore", UserWarning)
             entity = mlflow.data.from_numpy(part.images, targets=part.labels, source=sources.get(names[0], ""),
                                             name=f"fashion-mnist-{split}", digest=digest)._to_mlflow_entity()
-        entities.append((context, {field: getattr(entity, field)
-                                   for field in ("name", "digest", "source_type", "source", "schema", "profile")}))
+        entities.append((context, entity.to_dictionary()))
     return entities
 
 

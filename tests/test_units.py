@@ -215,7 +215,7 @@ def test_binding_holds_the_caller_and_its_later_threads_and_leaves_running_threa
     release, seen = threading.Event(), {}
 
     def worker():  # stands for the main thread of a worker, which init() has given its collective's threads
-        distributed.bind_to_cores({core})
+        os.sched_setaffinity(0, {core})  # as distributed.set_up_worker binds a worker
         seen["caller"] = os.sched_getaffinity(0)
         later = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
         later.start()
