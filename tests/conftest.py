@@ -22,7 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import free_port, mlflow_server, models_serve, wait_until_up  # noqa: E402,F401 (shared with the benchmark)
+from servers import free_port, mlflow_server, models_serve, reserved_port, wait_until_up  # noqa: E402,F401 (shared)
 
 SPLITS = {"train": 256, "t10k": 96}  # samples: enough for a few steps per worker, seconds per epoch
 

@@ -19,6 +19,21 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def reserved_port():
+    """A free port for a server that goes away and comes back on it: below Linux's ephemeral range, where
+    free_port() and every client draw, and in a block of its own for each pytest-xdist worker, so no parallel
+    test takes it while no server listens."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    for port in range(20000 + 200 * worker + os.getpid() % 100, 20000 + 200 * (worker + 1)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port reserved for pytest-xdist worker {worker}")
+
+
 def wait_until_up(url, process, log_path, timeout=120, prefix=()):
     """Poll `url` until it answers 200, from inside `prefix` (such as `ip netns exec NS`) when given; fail with
     the end of the server's log if `process` ends or `timeout` passes first."""

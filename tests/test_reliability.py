@@ -171,19 +171,22 @@ def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes
     assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
     log = worker0.read_text()
     # Rank 0 checkpointed the step the ranks stopped at: the next start loses nothing.
-    stop = re.search(r"stopped by SIGTERM at step \d+; checkpoint out/checkpoints/(epoch-0002-step-0*(\d+)\.ckpt) "
+    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint out/checkpoints/(epoch-0002-step-0*(\d+)\.ckpt) "
                      r"written, the next start resumes from it", log)
     assert stop, log[-2000:]
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [
-        "epoch-0001.ckpt", stop.group(1), "last-step"]
+        "epoch-0001.ckpt", stop.group(2), "last-step"]
     assert not (tmp_path / "out" / "summary.json").exists()
+    # Rank 1 ended on its own, at rank 0's step: as PID 1's exit the kernel's SIGKILL would have ended it silently.
+    worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+    assert f"rank 1 stops with the others: stopped by SIGTERM at step {stop.group(1)}" in worker1, worker1[-2000:]
     assert not any(alive(pid) for pid in job_workers)  # no worker left behind
     run_id = re.search(r"MLflow: run (\w+)", log).group(1)
     assert mlflow_run(tmp_path, run_id).info.status == "KILLED"
     rerun = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
                            capture_output=True, text=True, timeout=600, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert (f"resuming from out/checkpoints/{stop.group(1)}: 1 of 3 epochs and {stop.group(2)} steps done"
+    assert (f"resuming from out/checkpoints/{stop.group(2)}: 1 of 3 epochs and {stop.group(3)} steps done"
             in worker0.read_text())
     summary = read_summary(tmp_path / "out")
     assert summary["mlflow_run_id"] == run_id and summary["replicas_identical"] is True

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fmnist import common, data, fetch, model, tracking
-from conftest import (ROOT, free_port, job_env, mlflow_server, models_serve, read_summary, run_main, run_msrun,
+from conftest import (ROOT, job_env, mlflow_server, models_serve, read_summary, reserved_port, run_main, run_msrun,
                       tiny_args)
 
 pytestmark = pytest.mark.timeout(600)
@@ -300,7 +300,7 @@ def sync(output_dir, url, timeout=300):
 def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
     """Stopped after the first points, for longer than MLflow's own retries, then started again on the same
     store and port: what waited goes out in order, and the run is complete."""
-    port, out = free_port(), tmp_path / "out"
+    port, out = reserved_port(), tmp_path / "out"
     args = tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
@@ -319,7 +319,7 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
 def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(tiny_data, tmp_path):
     """The cluster's usual case: data from --data-dir, no server answering. The job trains, waits at most
     --tracking-wait for the server at its end, exits 0 and leaves the journal; `sync` sends it later."""
-    port, out = free_port(), tmp_path / "out"
+    port, out = reserved_port(), tmp_path / "out"
     started = time.monotonic()
     result = run_main(tmp_path, tiny_args(tiny_data, out, "--epochs", "2", "--tracking-wait", "5"),
                       env=job_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}"))
@@ -341,7 +341,7 @@ def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(t
 
 
 def test_a_server_lost_mid_run_costs_a_bounded_wait(longer_data, tmp_path):
-    port, out = free_port(), tmp_path / "out"
+    port, out = reserved_port(), tmp_path / "out"
     args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "32", "--tracking-wait", "5")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
