@@ -148,14 +148,16 @@ def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data
                          ids=["sigterm-to-pid-1-in-a-pid-namespace", "sigint-under-a-shell"])
 def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(longer_data, tmp_path, as_pid_1,
                                                                                    signum):
-    args = job_args(longer_data, "out", "--epochs", "3")
+    # Six epochs: at full speed the three after the signal's point last seconds, longer than a loaded test may take
+    # to send it.
+    args = job_args(longer_data, "out", "--epochs", "6")
     command = [str(ROOT / "run.sh"), *args]
     if as_pid_1:  # as in the image: run.sh is PID 1, where the kernel gives it no default signal handling
         command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *command]
     job = subprocess.Popen(command, cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     worker0 = tmp_path / "out" / "logs" / "worker_0.log"
-    wait_for(worker0, r"epoch 2/3 \| step 16/", job, timeout=180)
+    wait_for(worker0, r"epoch 2/6 \| step 16/", job, timeout=180)
     target = job.pid
     if as_pid_1:
         target = int(subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True,
@@ -186,7 +188,7 @@ def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes
     rerun = subprocess.run([str(ROOT / "run.sh"), *args], cwd=tmp_path, env=job_env(WORKERS="2"),
                            capture_output=True, text=True, timeout=600, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert (f"resuming from out/checkpoints/{stop.group(2)}: 1 of 3 epochs and {stop.group(3)} steps done"
+    assert (f"resuming from out/checkpoints/{stop.group(2)}: 1 of 6 epochs and {stop.group(3)} steps done"
             in worker0.read_text())
     summary = read_summary(tmp_path / "out")
     assert summary["mlflow_run_id"] == run_id and summary["replicas_identical"] is True
