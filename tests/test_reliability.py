@@ -144,6 +144,14 @@ def test_divergence_stops_every_rank_fails_the_run_and_writes_no_model(tiny_data
 # --- SIGTERM
 
 
+def as_a_shells_foreground_job():
+    """SIGINT and SIGTERM handled by default and not blocked, as a shell starts a command: bash cannot trap a
+    signal ignored on entry, and the test process's state, whatever a test before left, is not the user's."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("as_pid_1, signum", [(True, signal.SIGTERM), (False, signal.SIGINT)],
                          ids=["sigterm-to-pid-1-in-a-pid-namespace", "sigint-under-a-shell"])
 def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes(longer_data, tmp_path, as_pid_1,
@@ -155,7 +163,7 @@ def test_a_signal_stops_promptly_marks_the_run_killed_and_the_next_start_resumes
     if as_pid_1:  # as in the image: run.sh is PID 1, where the kernel gives it no default signal handling
         command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *command]
     job = subprocess.Popen(command, cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, preexec_fn=as_a_shells_foreground_job)
     worker0 = tmp_path / "out" / "logs" / "worker_0.log"
     wait_for(worker0, r"epoch 2/6 \| step 16/", job, timeout=180)
     target = job.pid
