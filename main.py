@@ -79,8 +79,10 @@ def main(argv=None) -> int:
     training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress,
                                        cfg.batch_size * collective.world_size, cfg.log_interval, laps,
                                        len(data.CLASS_NAMES), cfg.divergence_check == "on")
-    saver = collective.is_main and checkpoints.CheckpointSaver(  # one writer of checkpoints
-        cfg.output_dir / "checkpoints", cfg.keep_checkpoints, cfg.checkpoint_steps, progress, tracker, current, resumed)
+    saver = None
+    if collective.is_main:  # one writer of checkpoints
+        saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints,
+                                            cfg.checkpoint_steps, progress, tracker, current, resumed)
     fit_start = time.perf_counter()
     try:
         with training.stop:  # SIGTERM becomes a request the ranks agree on
@@ -138,7 +140,8 @@ def build_model(job, evaluation):
     if cfg.optimizer == "adam":
         optimizer = nn.Adam(net.trainable_params(), **common_args)
     else:
-        optimizer = nn.SGD(net.trainable_params(), momentum=cfg.momentum * (cfg.optimizer == "momentum"), **common_args)
+        momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
+        optimizer = nn.SGD(net.trainable_params(), momentum=momentum, **common_args)
     manager = None  # --loss-scale none
     if job.loss_scaling == "dynamic":
         manager = ms.amp.DynamicLossScaleManager()
@@ -224,7 +227,7 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
                         checkpoints.checkpoint_path(saver.directory, progress.position))
         else:
             log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
-                      "stay in %s", exc, exc.advice(job.cfg.lr), job.cfg.output_dir / "checkpoints")
+                      "stay in %s", exc, exc.advice(job.cfg.lr), saver.directory)
         tracker.finish("KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
 
     try:

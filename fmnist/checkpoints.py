@@ -72,8 +72,8 @@ def newest_first(directory):
 
 
 def trajectory(cfg, resolved, train_network):
-    """What decides a training's course: the settings not free on resume, what the job resolved (amp, world
-    size, the data's checksums...), and the parameters' shapes (the model and the optimizer)."""
+    """What decides a training's course: the settings that shape it (settings.COURSE), what the job resolved (amp,
+    world size, the data's checksums...), and the parameters' shapes (the model and the optimizer)."""
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
     return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k in settings.COURSE}, **resolved,
             "parameter_shapes": shapes}
