@@ -140,15 +140,15 @@ def test_image_trains_two_workers_with_the_jobs_security_context(image, workspac
 
 
 def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes(image, workspace, tmp_path):
-    write_dataset(workspace / "data", splits={"train": 8192, "t10k": 256})  # epochs of a few seconds
+    write_dataset(workspace / "data", splits={"train": 8192, "t10k": 256})  # epochs of a second or two
     chown_tree(workspace, JOB_UID)
     name = f"fmnist-stop-{os.getpid()}"
-    run = ["run", *AS_THE_JOB, f"--volume={workspace}:/workspace", *env_flags({**SMALL_RUN, "EPOCHS": "3"})]
+    run = ["run", *AS_THE_JOB, f"--volume={workspace}:/workspace", *env_flags({**SMALL_RUN, "EPOCHS": "6"})]
     podman(*run, "--detach", f"--name={name}", image)
     try:
         worker0 = workspace / "outputs" / "logs" / "worker_0.log"
         deadline = time.monotonic() + 300
-        while not (worker0.exists() and re.search(r"epoch 2/3 \| step 16/", worker0.read_text(errors="replace"))):
+        while not (worker0.exists() and re.search(r"epoch 2/6 \| step 16/", worker0.read_text(errors="replace"))):
             assert time.monotonic() < deadline, podman("logs", name, check=False).stderr[-3000:]
             assert podman("container", "inspect", "--format={{.State.Running}}", name).stdout.strip() == "true"
             time.sleep(0.5)
@@ -163,8 +163,9 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     # 143, not 137: the job ended on its own within the grace period, before podman's SIGKILL.
     assert status == 128 + signal.SIGTERM, logs[-3000:]
     assert "run the same command again to resume" in logs
-    # The ranks agree on a step after the signal: mid-epoch 2, or its end on a slow machine.
-    stopped_at = re.search(r"checkpoint \S+/(epoch-0002(?:-step-\d{6})?\.ckpt) written", worker0.read_text())
+    # The ranks agree on a step after the signal: podman delivers it a second or more later, an epoch here at full
+    # speed, so any epoch's step or end.
+    stopped_at = re.search(r"checkpoint \S+/(epoch-\d{4}(?:-step-\d{6})?\.ckpt) written", worker0.read_text())
     assert stopped_at, worker0.read_text()[-3000:]
     rerun = podman(*run, "--rm", image, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
