@@ -67,8 +67,8 @@ def position_of(path):
 
 def newest_first(directory):
     """The checkpoints in `directory`, the newest (furthest into the training) first."""
-    return sorted((path for path in Path(directory).glob("epoch-*.ckpt") if position_of(path)), key=position_of,
-                  reverse=True)
+    found = {path: position_of(path) for path in Path(directory).glob("epoch-*.ckpt")}
+    return sorted((path for path, position in found.items() if position), key=found.get, reverse=True)
 
 
 def trajectory(cfg, resolved, train_network):

@@ -301,7 +301,8 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
     """Stopped after the first points, for longer than MLflow's own retries, then started again on the same
     store and port: what waited goes out in order, and the run is complete."""
     port, out = reserved_port(), tmp_path / "out"
-    args = tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32")
+    # A loaded machine may take its minute to bring the server back: the job waits for it at its end.
+    args = tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32", "--tracking-wait", "300")
     with mlflow_server(tmp_path, port=port) as (url, _):
         job = start_job(tmp_path, args, url)
         # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
