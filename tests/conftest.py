@@ -59,6 +59,16 @@ def write_dataset(directory, seed=0, splits=None):
     return raw
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+    """The tests reading one module-scoped job go to one pytest-xdist worker (`--dist loadgroup`, as make test
+    runs them): spread over two, each would run that job."""
+    for item in items:
+        fixtures = item._fixtureinfo.name2fixturedefs.values()  # pylint: disable=protected-access
+        if any(definitions[-1].scope == "module" for definitions in fixtures):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A read-only-by-convention tiny dataset shared by the tests; copy it before changing it."""

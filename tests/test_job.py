@@ -85,19 +85,13 @@ def test_mlflow_embedded_store_holds_one_run_for_the_job(two_worker_run):
     assert client.search_registered_models() == []  # registering is asked for with --register-model
 
 
-def test_single_process_without_msrun(tiny_data, tmp_path):
-    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = read_summary(tmp_path / "out")
-    assert summary["world_size"] == 1
-    assert summary["mlflow_run_id"] is None and not (tmp_path / "mlflow.db").exists()
-
-
-def test_learns_the_tiny_task(tiny_data, tmp_path):
+def test_a_single_process_without_msrun_learns_the_tiny_task(tiny_data, tmp_path):
     """Ten short epochs on data whose class is a bright band: far above the 0.1 of guessing."""
     result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "10"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert read_summary(tmp_path / "out")["test_accuracy"] >= 0.5
+    summary = read_summary(tmp_path / "out")
+    assert summary["world_size"] == 1 and summary["test_accuracy"] >= 0.5
+    assert summary["mlflow_run_id"] is None and not (tmp_path / "mlflow.db").exists()
 
 
 def test_workers_have_the_onednn_isa_cap_and_disjoint_cores(two_worker_run):
@@ -116,21 +110,27 @@ def test_workers_have_the_onednn_isa_cap_and_disjoint_cores(two_worker_run):
     assert (summary["amp_logit_error"], summary["step_loss_scale"]) == (0.0, 1.0)  # float32 throughout, unscaled
 
 
-def test_a_users_isa_cap_wins(tiny_data, tmp_path):
-    env = job_env(ONEDNN_MAX_CPU_ISA="SSE41", ONEDNN_VERBOSE="profile_create")
-    result = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"), env=env)
+@pytest.fixture(scope="module")
+def o2_run(tiny_data, tmp_path_factory):
+    """The article's O2 on 2 workers, under a user's own oneDNN cap: two checks, one job."""
+    cwd = tmp_path_factory.mktemp("o2")
+    args = tiny_args(tiny_data, cwd / "out", "--tracking", "off", "--amp", "O2", "--epochs", "10")
+    return cwd, run_msrun(cwd, args, env=job_env(ONEDNN_MAX_CPU_ISA="SSE41", ONEDNN_VERBOSE="profile_create"))
+
+
+def test_a_users_isa_cap_wins(o2_run):
+    cwd, result = o2_run
     assert result.returncode == 0, result.logs
     for rank in (0, 1):
         assert "onednn_verbose,v1,info,cpu,isa:Intel SSE4.1" in result.logs[f"worker_{rank}.log"]
-    assert read_summary(tmp_path / "out")["cpu"]["onednn_isa_cap"] == "SSE41"
+    assert read_summary(cwd / "out")["cpu"]["onednn_isa_cap"] == "SSE41"
 
 
-def test_mixed_precision_o2_with_two_workers_computes_in_float16_and_learns(tiny_data, tmp_path):
+def test_mixed_precision_o2_with_two_workers_computes_in_float16_and_learns(o2_run):
     """The article's O2, float16 compute with float32 master weights and no loss scaling, on 2 CPU workers."""
-    args = tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--amp", "O2", "--epochs", "10")
-    result = run_msrun(tmp_path, args)
+    cwd, result = o2_run
     assert result.returncode == 0, result.logs
-    summary = read_summary(tmp_path / "out")
+    summary = read_summary(cwd / "out")
     assert (summary["amp_level"], summary["loss_scaling"]) == ("O2", "none")
     assert summary["features_dtype"] == "Float16"  # the convolutions' output, measured on the trained network
     assert summary["replicas_identical"] is True and summary["world_size"] == 2
