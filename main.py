@@ -215,7 +215,7 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
     if isinstance(exc, common.DiskFull):
         log.error("%s", exc)
         tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
-        return common.EXIT_DISK_FULL
+        return exc.status
     stopped = isinstance(exc, distributed.Terminated)
     if not job.collective.is_main:  # rank 0 says why; the others say where they stopped
         log.info("rank %d stops with the others: %s", job.collective.rank, exc)
@@ -232,10 +232,8 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 
     try:
         job.collective.wait_for(finish if job.collective.is_main else None)
-    except common.DiskFull as full:
-        log.error("%s; the next start resumes from the newest checkpoint before it", full)
-        tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
-        return common.EXIT_DISK_FULL
+    except common.DiskFull as full:  # its message says that the next start resumes
+        return stop_early(job, full, trainer, progress, saver, tracker)
     except common.UsageError:
         pass  # rank 0 could not checkpoint the stop; its own exit says why
     return 128 + exc.signum if stopped else common.EXIT_DIVERGED

@@ -113,28 +113,43 @@ def test_exported_models_reproduce_the_jobs_accuracy(killed_then_resumed, longer
         assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-4), model
 
 
-def test_resume_never_starts_fresh(tiny_data, tmp_path):
-    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", "out", "--epochs", "1", "--batch-size", "16", "--log-interval", "8", "--tracking", "off"]
-    for extra in ([], ["--resume", "never"]):
-        result = run_main(tmp_path, base + extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "resuming" not in result.stderr
-        assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 0
-
-
-def test_the_default_log_interval_fits_an_epoch_shorter_than_it(tiny_data, tmp_path):
-    """16 steps an epoch, under the default interval of 100: every epoch's end closes an interval."""
-    result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
-                                 "--data-mirrors", "", "--output-dir", "out", "--epochs", "2", "--batch-size", "16",
-                                 "--tracking", "off"])
+@pytest.fixture(scope="module")
+def finished(tiny_data, tmp_path_factory):
+    """One process trained 2 epochs of 16 steps on the defaults: the finished output directory each test below
+    copies and reruns, and the run's console."""
+    cwd = tmp_path_factory.mktemp("finished")
+    result = run_main(cwd, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                            "--data-mirrors", "", "--output-dir", "out", "--epochs", "2", "--batch-size", "16",
+                            "--tracking", "off"])
     assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "out", result.stderr
+
+
+def rerun(finished, tiny_data, tmp_path, *extra, damage=lambda out: None):
+    """The finished output directory copied to tmp_path/out, `damage`d, and the same job run there with `extra`."""
+    damage(shutil.copytree(finished[0], tmp_path / "out"))
+    return run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
+                               "--data-mirrors", "", "--output-dir", "out", "--batch-size", "16", "--tracking", "off",
+                               *extra])
+
+
+def test_resume_never_starts_fresh(finished, tiny_data, tmp_path):
+    result = rerun(finished, tiny_data, tmp_path, "--epochs", "1", "--resume", "never")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming" not in result.stderr
+    summary = read_summary(tmp_path / "out")
+    assert (summary["resumed_from_epoch"], summary["epochs"]) == (0, 1)
+
+
+def test_the_default_log_interval_fits_an_epoch_shorter_than_it(finished):
+    """16 steps an epoch, under the default interval of 100: every epoch's end closes an interval."""
+    _, console = finished
     progress = re.findall(r"epoch (\d)/2 \| step 16/16 \| loss \S+ \| \S+ samples/s \| epoch ends in 0 s, "
-                          r"training in (\d+) s", result.stderr)
-    assert [epoch for epoch, _ in progress] == ["1", "2"], result.stderr[-3000:]
+                          r"training in (\d+) s", console)
+    assert [epoch for epoch, _ in progress] == ["1", "2"], console[-3000:]
     assert int(progress[1][1]) == 0 and int(progress[0][1]) >= 0
-    assert re.search(r"epoch 1/2 done \| .* \| training ends in \d+ s", result.stderr)
-    assert re.search(r"epoch 2/2 done \| .* \| training ends in 0 s", result.stderr)
+    assert re.search(r"epoch 1/2 done \| .* \| training ends in \d+ s", console)
+    assert re.search(r"epoch 2/2 done \| .* \| training ends in 0 s", console)
 
 
 def test_the_default_batch_size_fits_a_training_set_smaller_than_one_batch(tmp_path):
@@ -150,14 +165,11 @@ def test_the_default_batch_size_fits_a_training_set_smaller_than_one_batch(tmp_p
     assert read_summary(tmp_path / "out")["global_batch_size"] == 40
 
 
-def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds(tiny_data, tmp_path):
-    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", "out", "--batch-size", "16", "--log-interval", "8", "--tracking", "off"]
-    assert run_main(tmp_path, [*base, "--epochs", "2"]).returncode == 0
-    trained = read_summary(tmp_path / "out")
-    rerun = run_main(tmp_path, [*base, "--epochs", "1"])
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "holds a model of 2 epochs, more than --epochs 1" in rerun.stderr
+def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds(finished, tiny_data, tmp_path):
+    trained = read_summary(finished[0])
+    result = rerun(finished, tiny_data, tmp_path, "--epochs", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds a model of 2 epochs, more than --epochs 1" in result.stderr
     summary = read_summary(tmp_path / "out")
     assert summary["weights_sha256"] == trained["weights_sha256"]  # the same model, not trained again
     assert summary["epochs"] == 2 and len(summary["epoch_history"]) == 2
@@ -167,18 +179,17 @@ def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds
     assert summary["test_samples"] == trained["test_samples"] == 96
 
 
-def test_a_bit_flipped_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(tiny_data, tmp_path):
-    base = ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", "out", "--batch-size", "16", "--tracking", "off", "--keep-checkpoints", "2"]
-    assert run_main(tmp_path, [*base, "--epochs", "2"]).returncode == 0
+def test_a_bit_flipped_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(finished, tiny_data, tmp_path):
+    def flip_a_bit(out):  # in the middle of the newest checkpoint: the file is whole, its content is not
+        flipped = bytearray((out / "checkpoints" / "epoch-0002.ckpt").read_bytes())
+        flipped[len(flipped) // 2] ^= 0x10
+        (out / "checkpoints" / "epoch-0002.ckpt").write_bytes(flipped)
+
+    result = rerun(finished, tiny_data, tmp_path, "--epochs", "4", "--keep-checkpoints", "2", damage=flip_a_bit)
     checkpoints = tmp_path / "out" / "checkpoints"
-    flipped = bytearray((checkpoints / "epoch-0002.ckpt").read_bytes())
-    flipped[len(flipped) // 2] ^= 0x10  # one bit, in the middle: the file is whole, its content is not
-    (checkpoints / "epoch-0002.ckpt").write_bytes(flipped)
-    rerun = run_main(tmp_path, [*base, "--epochs", "4"])
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in rerun.stderr
-    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 4 epochs done" in rerun.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in result.stderr
+    assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 4 epochs done" in result.stderr
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
 
 
