@@ -1,11 +1,14 @@
 """Checkpoints, automatic resume and fast failure, with real msrun and 2 CPU workers."""
 
+import json
 import re
 import shutil
 import subprocess
 import time
 
 import pytest
+
+from fmnist import tracking
 
 from conftest import ROOT, job_env, read_summary, run_main, wait_for, write_dataset
 
@@ -74,7 +77,9 @@ def test_rerun_resumes_from_epoch_1_and_completes(killed_then_resumed):
         "epoch-0001.ckpt", "epoch-0002.ckpt", "epoch-0003.ckpt"]
 
 
-def test_resumed_job_continues_its_mlflow_run(killed_then_resumed):
+def test_resumed_job_continues_its_mlflow_run_and_journal_holding_no_point_twice(killed_then_resumed):
+    """msrun SIGKILLs rank 0, the journal's writer and sender, when worker 1 dies; the rerun continues the journal
+    from its recorded position: every journaled point is in the run exactly once."""
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
     cwd, _, _ = killed_then_resumed
     client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
@@ -83,6 +88,12 @@ def test_resumed_job_continues_its_mlflow_run(killed_then_resumed):
     run = runs[0]
     assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2, 3]
+    journal = [json.loads(line) for line in (cwd / "out" / tracking.JOURNAL).read_text().splitlines()]
+    assert [op["op"] for op in journal].count("start") == 2
+    journaled = sorted((op["step"], op["timestamp"], op["values"]["train_loss"]) for op in journal
+                       if op["op"] == "metrics" and "train_loss" in op["values"])
+    held = sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    assert held == journaled and len(held) > 3 * 4096 // 32 // 8  # the killed epoch's points, then the rerun's
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(killed_then_resumed, longer_data, tmp_path):

@@ -432,31 +432,3 @@ def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data
         assert len(run.outputs.model_outputs) == 1
         assert run.data.params == {**tracked.data.params, "tracking": "offline", "output_dir": str(out)}
         assert synced_client.get_model_version(REGISTERED, "1").run_id == run.info.run_id
-
-
-def test_kill_9_then_a_restart_continues_the_journal_and_holds_no_point_twice(longer_data, tmp_path):
-    """Rank 0, the journal's writer and sender, killed mid-run; the same command again resumes, sends what was
-    left and goes on: every journal line's point is in the run exactly once."""
-    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-    out = tmp_path / "out"
-    args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "16", "--checkpoint-steps", "64")
-    with mlflow_server(tmp_path) as (url, _):
-        job = start_job(tmp_path, args, url)
-        wait_for_log(out / "logs" / "worker_0.log", r"epoch 1/2 \| step 160/", job)
-        pid = int(re.search(r"rank 0 of 2 \(pid (\d+)\)", (out / "logs" / "worker_0.log").read_text()).group(1))
-        subprocess.run(["kill", "-9", str(pid)], check=True)
-        job.communicate(timeout=120)
-        assert job.returncode == 137
-        rerun = start_job(tmp_path, args, url)
-        console, _ = rerun.communicate(timeout=600)
-        assert rerun.returncode == 0, console[-3000:]
-        client = MlflowClient(url)
-        run_id = read_summary(out)["mlflow_run_id"]
-        journal = [json.loads(line) for line in (out / tracking.JOURNAL).read_text().splitlines()]
-        assert [op["op"] for op in journal].count("start") == 2
-        sent = sorted((key, op["step"], op["timestamp"], value) for op in journal if op["op"] == "metrics"
-                      for key, value in op["values"].items() if key == "train_loss")
-        held = sorted(("train_loss", m.step, m.timestamp, m.value)
-                      for m in client.get_metric_history(run_id, "train_loss"))
-        assert held == sent
-        assert client.get_run(run_id).data.tags["resumed"] == "true"
