@@ -307,7 +307,7 @@ def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
         job = start_job(tmp_path, args, url)
         # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
         wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
-    time.sleep(15)  # down: MLflow's retries give up after seconds
+    time.sleep(6)  # down: MLflow's own retry gives up after a second or two
     with mlflow_server(tmp_path, port=port) as (url, _):
         console, _ = job.communicate(timeout=300)
         assert job.returncode == 0, console[-3000:]
