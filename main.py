@@ -134,9 +134,8 @@ def build_model(job, evaluation):
     cfg = job.cfg
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
-    # A fixed scale ("fixed:<scale>") without overflow checks leaves the gradients scaled: the optimizer divides
-    # them back.
-    scale = float(job.loss_scaling.partition(":")[2] or 1)
+    # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
+    scale = settings.fixed_loss_scale(job.loss_scaling) or 1.0
     common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": scale}
     if cfg.optimizer == "adam":
         optimizer = nn.Adam(net.trainable_params(), **common_args)

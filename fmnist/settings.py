@@ -157,6 +157,11 @@ def resolve_loss_scale(loss_scale, amp_level, device):
     return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
 
 
+def fixed_loss_scale(mode):
+    """The scale of a "fixed:<scale>" mode, else None."""
+    return float(mode.partition(":")[2]) if mode.startswith("fixed:") else None
+
+
 def check_against_data(cfg, world_size, train_count, test_count):
     """The settings, checked against the data: every rank has test images, and a step's global batch fits the
     training set; the default batch size is lowered to fit, with a warning. Else UsageError naming the limit."""
