@@ -79,10 +79,8 @@ def main(argv=None) -> int:
     training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress,
                                        cfg.batch_size * collective.world_size, cfg.log_interval, laps,
                                        len(data.CLASS_NAMES), cfg.divergence_check == "on")
-    saver = None
-    if collective.is_main:  # one writer of checkpoints
-        saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints,
-                                            cfg.checkpoint_steps, progress, tracker, current, resumed)
+    saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints, cfg.checkpoint_steps,
+                                        progress, tracker, current, resumed) if collective.is_main else None
     fit_start = time.perf_counter()
     try:
         with training.stop:  # SIGTERM becomes a request the ranks agree on
@@ -129,19 +127,16 @@ def get_data(job):
 
 
 def build_model(job, evaluation):
-    """The network, its loss, the optimizer and mixed precision as one Model (init_distributed made it average
-    gradients across ranks)."""
+    """The network, its loss, the optimizer and mixed precision as one Model (gradients averaged across ranks)."""
     cfg = job.cfg
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
     # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
     scale = settings.fixed_loss_scale(job.loss_scaling) or 1.0
     common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": scale}
-    if cfg.optimizer == "adam":
-        optimizer = nn.Adam(net.trainable_params(), **common_args)
-    else:
-        momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
-        optimizer = nn.SGD(net.trainable_params(), momentum=momentum, **common_args)
+    momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
+    optimizer = (nn.Adam(net.trainable_params(), **common_args) if cfg.optimizer == "adam"
+                 else nn.SGD(net.trainable_params(), momentum=momentum, **common_args))
     manager = None  # --loss-scale none
     if job.loss_scaling == "dynamic":
         manager = ms.amp.DynamicLossScaleManager()
@@ -153,13 +148,11 @@ def build_model(job, evaluation):
 
 
 def resume(job, trainer):
-    """The newest good checkpoint of this training loaded (None: --resume never, or none), the trajectory its
-    checkpoints record, and the Position every rank starts from."""
+    """The newest good checkpoint of this training loaded (or None), its trajectory, and where every rank starts."""
     directory = job.cfg.output_dir / "checkpoints"
     current = checkpoints.trajectory(job.cfg, {**job.resolved, "data_sha256": job.checksums}, trainer.train_network)
-    resumed = None
-    if job.cfg.resume == "auto":
-        resumed = checkpoints.load_latest_checkpoint(directory, trainer.train_network, current)
+    resumed = (checkpoints.load_latest_checkpoint(directory, trainer.train_network, current)
+               if job.cfg.resume == "auto" else None)
     return resumed, current, checkpoints.agree_on_resume(job.collective, resumed, directory, job.cfg.epochs)
 
 

@@ -58,7 +58,6 @@ def checkpoint_path(directory, position):
 
 
 def position_of(path):
-    """The Position a checkpoint's name gives, or None for any other file."""
     if match := NAME.fullmatch(Path(path).name):
         epoch, step = int(match[1]), int(match[2] or 0)
         return Position(epoch - 1, step) if step else Position(epoch)
@@ -66,21 +65,19 @@ def position_of(path):
 
 
 def newest_first(directory):
-    """The checkpoints in `directory`, the newest (furthest into the training) first."""
     found = {path: position_of(path) for path in Path(directory).glob("epoch-*.ckpt")}
     return sorted((path for path, position in found.items() if position), key=found.get, reverse=True)
 
 
 def trajectory(cfg, resolved, train_network):
-    """What decides a training's course: the settings that shape it (settings.COURSE), what the job resolved (amp,
-    world size, the data's checksums...), and the parameters' shapes (the model and the optimizer)."""
+    """What decides a training's course: the settings that shape it, what the job resolved, the parameters' shapes."""
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
     return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k in settings.COURSE}, **resolved,
             "parameter_shapes": shapes}
 
 
 def resume_conflicts(meta, current):
-    """What differs between a checkpoint's training and this job's, one 'name: was X, now Y' per item."""
+    """'name: was X, now Y' for each way a checkpoint's training differs from this job's."""
     if meta.get("format") not in READABLE_FORMATS:
         return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
@@ -96,9 +93,8 @@ def resume_conflicts(meta, current):
 
 
 def load_latest_checkpoint(directory, train_network, current):
-    """Resumed from the newest checkpoint that loads whole into `train_network` (a corrupt one is skipped with
-    a warning), or None. Another training's is UsageError naming every difference: no run would describe the
-    model that continuing it makes."""
+    """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or None.
+    Another training's is UsageError naming every difference: no run would describe the model it would make."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -126,8 +122,7 @@ def load_latest_checkpoint(directory, train_network, current):
 
 
 def agree_on_resume(collective, resumed, directory, epochs):
-    """The Position every rank resumes from (Position(): a fresh start); UsageError when ranks found different
-    checkpoints, as nodes that share no output directory would. A collective."""
+    """The Position every rank resumes from; UsageError when ranks found different checkpoints. A collective."""
     start = resumed.position if resumed else Position()
     agreed = collective.all_gather([start.epoch, start.step])
     if (agreed != agreed[0]).any():
@@ -140,9 +135,8 @@ def agree_on_resume(collective, resumed, directory, epochs):
 
 
 class CheckpointSaver(Callback):
-    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and on a stop
-    (save_now), on the training thread (milliseconds for LeNet; a large model would want async_save). After each
-    step it records the step and the time in RECORD, in place, so the next start measures what the restart cost."""
+    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and on a stop,
+    on the training thread (milliseconds for LeNet). Each step's number and time go to RECORD, for the restart cost."""
 
     def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
         super().__init__()
@@ -171,7 +165,7 @@ class CheckpointSaver(Callback):
             os.pwrite(self._record, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
 
     def log_restart_cost(self, step):
-        """Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now."""
+        # Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now.
         last = self.resumed.last_step
         resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
         cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}
@@ -196,6 +190,5 @@ class CheckpointSaver(Callback):
         self.save_s.append(time.perf_counter() - started)
 
     def save_now(self, train_network, position):
-        """A checkpoint of `position` and the step record: the job is about to exit."""
         self.save(train_network, position)
         self.mark()

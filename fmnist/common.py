@@ -91,9 +91,8 @@ def write_atomic(path, data, sync=True):
 
 
 def hold_lock(path, what, wait=False, probe=False):
-    """An exclusive flock on `path`, held by the open file returned (a context manager), whose text names the
-    holder: the kernel drops a flock when its holder dies however it dies, so no stale lock blocks a restart.
-    Without `wait`, UsageError naming `what` and its holder. A `probe` takes it shared, leaving the text alone."""
+    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the holder: the
+    kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its holder, or a `wait`."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

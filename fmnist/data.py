@@ -19,7 +19,8 @@ IMAGE_SIZE = 28
 
 def make_available(cfg, checksums, say):
     """The four verified IDX files in cfg.data_dir (no request when they are there); {file: where it came from}."""
-    return fetch.ensure_data(cfg.data_dir, checksums, cfg.mirrors, cfg.download_timeout, say=say,
+    mirrors = [url.strip() for url in cfg.data_mirrors.split(",") if url.strip()]
+    return fetch.ensure_data(cfg.data_dir, checksums, mirrors, cfg.download_timeout, say=say,
                              deadline=cfg.download_deadline)
 
 
@@ -36,7 +37,6 @@ class Splits:
 
 
 def load_splits(data_dir):
-    """The train and t10k splits of verified IDX files in `data_dir`."""
     return Splits(*(load_split(data_dir, split) for split in ("train", "t10k")))
 
 
@@ -52,9 +52,8 @@ def load_split(data_dir, split):
 
 
 def to_model_input(images):
-    """The article's transforms (resize to 28x28, rescale by 1/255, HWC -> CHW) as float32 [N, C, 28, 28],
-    applied once to the whole array: Fashion-MNIST fits in memory many times over, so this beats a per-sample
-    map each epoch."""
+    """The article's transforms (resize to 28x28, rescale by 1/255, HWC -> CHW) as float32 [N, C, 28, 28], once
+    for the whole array: Fashion-MNIST fits in memory, and this beats a per-sample map each epoch."""
     if images.ndim == 3:
         images = images[..., None]
     if images.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
@@ -70,9 +69,8 @@ def one_hot(labels, num_classes=len(CLASS_NAMES)):
 
 
 class ShardBatches:
-    """This rank's share of every epoch in whole batches: rank r takes the r-th block of the epoch's permutation
-    of (seed, epoch), so shards are disjoint, and a job resumed `skip` steps into `epoch` trains the batches an
-    uninterrupted one would. A batch is one fancy-index (per-sample sharding cost a third of a step here)."""
+    """This rank's share of every epoch in whole batches: rank r takes the r-th block of the permutation of (seed,
+    epoch): shards are disjoint, and a job resumed `skip` steps into `epoch` trains what an unbroken one would."""
 
     def __init__(self, images, labels, batch_size, rank, world_size, seed, epoch=0, skip=0):
         self.images, self.labels = images, labels

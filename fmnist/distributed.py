@@ -28,25 +28,20 @@ GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused 
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 POLL_S = 0.2  # between the small gathers of Collective.wait_for
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def resolve_device(requested):
     if requested != "auto":
         return requested
-    # is_available() warns about the missing Ascend plugin on every CPU machine; that is the expected case here.
-    quiet = logging.getLogger(ms.log._get_logger().name)  # pylint: disable=protected-access
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    logging.disable(logging.WARNING)  # is_available() warns of the missing Ascend plugin: on CPU, as expected
     try:
         return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
     finally:
-        quiet.setLevel(level)
+        logging.disable(logging.NOTSET)
 
 
 def cap_onednn_isa(environ=os.environ, machine=None):
-    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64, set before MindSpore's first CPU kernel
-    reads it. None elsewhere."""
+    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64 (before the first CPU kernel), else None."""
     for name in ONEDNN_ISA_VARS:
         if environ.get(name):
             return environ[name]
@@ -88,8 +83,7 @@ def worker_cores(cores, local_rank, local_workers):
 
 
 def set_up_worker(device, local_rank, local_workers, bind, threads):
-    """Bind this worker to its cores before MindSpore starts the pools that inherit the binding, and give the
-    kernels and the data pipeline `threads` threads, or one per core; returns the thread count."""
+    """Bind this worker to its cores before MindSpore's pools start, and give them `threads` threads or one a core."""
     cores = worker_cores(usable_cores(), local_rank, local_workers)
     threads = threads or len(cores)
     if device == "CPU":
@@ -130,9 +124,8 @@ class Collective:
         return array[None] if self._gather is None else self._gather(Tensor(array[None])).asnumpy()
 
     def wait_for(self, work=None):
-        """`work`'s result (None: no work on this rank), while every rank polls with small gathers until all are
-        done: MindSpore's CPU collective fails a receive that waits over MS_NODE_TIMEOUT. Its error on its rank,
-        UsageError on the others."""
+        """`work`'s result, while every rank polls with small gathers until all are done (MindSpore's CPU collective
+        fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError on the others."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
             while True:
@@ -185,7 +178,7 @@ class StopRequest:
     signum = 0
 
     def __enter__(self):
-        for signum in STOP_SIGNALS:
+        for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._record)
         return self
 

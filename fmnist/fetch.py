@@ -92,8 +92,7 @@ class TooSlow(ConnectionError):
 
 
 def receive(url, response, timeout, deadline, say):
-    """The body of `response`, within the size cap, the minimum rate and the deadline, with a line every
-    PROGRESS_S seconds saying the bytes so far, the rate and the time left."""
+    """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
     total = int(response.headers.get("Content-Length") or 0)
     if total > DOWNLOAD_MAX_BYTES:
         raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
@@ -142,8 +141,7 @@ def download(url, timeout, say=print, deadline=600.0):
 
 
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0, failures=()):
-    """A verified copy of one IDX file in data_dir from the first source that has one, in place of any bad copy;
-    returns the source: a mirror's URL, or a system copy's directory."""
+    """A verified copy of one IDX file in data_dir, in place of any bad copy, from the first source that has one."""
     failures = [failure for failure in failures if failure]  # what was wrong with the copy in data_dir
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in system_dirs]
     sources = [(d, copy) for d, copy in found if copy] + [(f"{url.rstrip('/')}/{name}.gz", None) for url in mirrors]

@@ -15,7 +15,6 @@ def log_softmax(logits):
 
 
 def cross_entropy(logits, one_hot_labels):
-    """Per-sample softmax cross-entropy."""
     return -(one_hot_labels * log_softmax(logits)).sum(axis=1)
 
 
@@ -45,10 +44,9 @@ class Evaluation(Metric):
 
 
 def mixed_precision(train_step, net, float32_net, images):
-    """What mixed precision and loss scaling do in a train step as MindSpore built it, measured on it:
-    features_dtype, the dtype the first layers compute in (float16 under O2 and O3; O1 casts back after each
-    layer); amp_logit_error, the largest change of the step's forward logits against `float32_net` (a fresh
-    network, given net's weights here; 0 under O0); step_loss_scale, the factor the backward pass scales by."""
+    """What mixed precision and loss scaling do in the train step MindSpore built, measured on it: features_dtype,
+    the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of the
+    step's logits against `float32_net` given net's weights; step_loss_scale, the backward pass's factor."""
     ms.load_param_into_net(float32_net, net.parameters_dict())
     amp_forward = train_step.network._backbone  # pylint: disable=protected-access  (the network after amp)
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens

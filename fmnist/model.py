@@ -6,9 +6,8 @@ from mindspore import nn, ops
 
 
 class MaxPool2x2(nn.Cell):
-    """nn.MaxPool2d(2, 2) bit for bit. On CPU an even-sized input is pooled by MindSpore's adaptive max-pooling
-    to half its size (the same 2x2 windows): nn.MaxPool2d's oneDNN kernel for plain NCHW under the job's AVX2
-    cap is its slow reference code (docs/performance.md, "Where a step goes")."""
+    """nn.MaxPool2d(2, 2) bit for bit, by adaptive max-pooling to half size on CPU: nn.MaxPool2d's oneDNN kernel
+    for plain NCHW under the AVX2 cap is its slow reference code (docs/performance.md, "Where a step goes")."""
 
     def __init__(self):
         super().__init__()

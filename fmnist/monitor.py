@@ -67,8 +67,7 @@ class Laps:
 
 
 class TrainingMonitor(Callback):
-    """The training loss (mean and per rank) and samples/s every log interval and at each epoch's end, and each
-    epoch's validation figures over the whole test set."""
+    """The training loss (mean and per rank) and samples/s every log interval, and each epoch's validation."""
 
     def __init__(self, collective, tracker, epochs, progress, global_batch, log_interval, laps, num_classes=10,
                  check_learning=True, stop=None):

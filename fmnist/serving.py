@@ -71,9 +71,8 @@ _GRAPH_EXECUTOR = threading.Lock()
 
 
 def pixels(batch):
-    """The served model's input, a batch [N, 28, 28] of whole numbers from 0 to 255 as the IDX files hold them,
-    as uint8; else ValueError naming what is wrong (MLflow answers it with 400). MLflow's schema has checked
-    the shape and that they are numbers."""
+    """A batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files hold them, as uint8; else ValueError
+    (MLflow answers 400). MLflow's schema has checked the shape and that they are numbers."""
     values = np.asarray(batch, dtype=np.float64)
     fractional = values[values != np.round(values)]  # NaN among them
     if fractional.size:

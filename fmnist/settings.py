@@ -1,7 +1,6 @@
-"""The job's settings, one table from which the parser, the checks and the set a resume may change all come:
-every setting is a flag and an environment variable (--batch-size, BATCH_SIZE, cfg.batch_size); the flag wins.
-`python -m fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun starts, without MindSpore: it
-prints the output directory, or one line and exit 2."""
+"""The job's settings, one table (Config) from which the parser, the checks and what a resume keeps all come: every
+setting is a flag and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning. `python -m
+fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2 in one line."""
 
 import argparse
 import dataclasses
@@ -90,10 +89,6 @@ class Config:
     cpu_bind: str = setting("on", "on: bind each CPU worker to its own share of this machine's cores, divided "
                             "among its workers (LOCAL_WORKERS, else the world size)", choices=("on", "off"))
 
-    @property
-    def mirrors(self):
-        return [url.strip() for url in self.data_mirrors.split(",") if url.strip()]
-
 
 FIELDS = dataclasses.fields(Config)
 BATCH_SIZE = next(f for f in FIELDS if f.name == "batch_size")
@@ -163,8 +158,8 @@ def fixed_loss_scale(mode):
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
-    """The settings, checked against the data: every rank has test images, and a step's global batch fits the
-    training set; the default batch size is lowered to fit, with a warning. Else UsageError naming the limit."""
+    """The settings, if every rank has test images and a step's global batch fits the training set (the default
+    batch size is lowered to fit); else UsageError naming the limit."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers that "
                                 "each evaluate a share of it: use fewer workers")
@@ -193,8 +188,7 @@ def usable_dir(path, flag):
 
 
 def data_counts(data_dir, checksums):
-    """(training images, test images) from the label files when all four files are there (unverified: the job
-    verifies them), else None."""
+    """(training images, test images) from the label files when all four are there, else None (the job verifies)."""
     if not all(fetch.local_copy(data_dir, name) for name in checksums):
         return None
     try:

@@ -174,8 +174,7 @@ class Tracker:
         return self.sender and self.sender.run_id
 
     def start(self, experiment, run_name, params, tags, datasets, continues):
-        """Journal the run's start, with MLflow's context tags (user, source, commit) resolved here; online, wait
-        at most START_WAIT_S for the server's answer."""
+        """Journal the run's start with MLflow's context tags (user, source, commit); online, await the answer."""
         import mlflow  # pylint: disable=import-outside-toplevel
         params = {key: str(value) for key, value in params.items()}
         self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
