@@ -215,7 +215,6 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 
     def finish():
         if stopped:
-            saver.save_now(trainer.train_network, progress.position)
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         checkpoints.checkpoint_path(saver.directory, progress.position))
         else:
@@ -224,11 +223,13 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
         tracker.finish("KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
 
     try:
+        if stopped and job.collective.is_main:  # here, not in wait_for's thread: MindSpore is not thread-safe
+            saver.save_now(trainer.train_network, progress.position)
         job.collective.wait_for(finish if job.collective.is_main else None)
     except common.DiskFull as full:  # its message says that the next start resumes
         return stop_early(job, full, trainer, progress, saver, tracker)
     except common.UsageError:
-        pass  # rank 0 could not checkpoint the stop; its own exit says why
+        pass  # rank 0 failed to finish; its own exit says why
     return 128 + exc.signum if stopped else common.EXIT_DIVERGED
 
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import mindspore as ms
-from mindspore import Tensor
 from mindspore.train import Callback
 
 from . import common, settings
@@ -180,11 +179,7 @@ class CheckpointSaver(Callback):
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "trajectory": self.current,
                 "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
                 "history": self.progress.history, "loss_points": self.progress.loss_points}
-        # From host copies of the parameters: a stop saves on a thread beside the main thread's gathers, and
-        # MindSpore's saving of a cell itself is not safe beside them (a heap corruption, seen once in the tests).
-        snapshot = [{"name": name, "data": Tensor(param.asnumpy().copy())}
-                    for name, param in train_network.parameters_dict().items()]
-        save_checkpoint(snapshot, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
+        save_checkpoint(train_network, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()
         self.save_s.append(time.perf_counter() - started)
