@@ -9,6 +9,7 @@ a variable (`python main.py --help`). main() is the pipeline, one function per s
 """
 
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -205,27 +206,23 @@ def start_tracking(job, resumed, splits, sources):
 def stop_early(job, exc, trainer, progress, saver, tracker):
     """The job ends without results. Divergence (exit 3) and a signal (128 + it) stop every rank at the same
     step, which rank 0 checkpoints on a signal; a full disk (exit 4) is rank 0's, the one writer's, alone."""
+    stopped, is_main = isinstance(exc, distributed.Terminated), job.collective.is_main
+    finish = functools.partial(tracker.finish, "KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
     if isinstance(exc, common.DiskFull):
         log.error("%s", exc)
-        tracker.finish("FAILED", timeout=tracking.STOP_TIMEOUT_S)
+        finish()
         return exc.status
-    stopped = isinstance(exc, distributed.Terminated)
-    if not job.collective.is_main:  # rank 0 says why; the others say where they stopped
-        log.info("rank %d stops with the others: %s", job.collective.rank, exc)
-
-    def finish():
-        if stopped:
+    try:
+        if not is_main:  # rank 0 says why; the others say where they stopped
+            log.info("rank %d stops with the others: %s", job.collective.rank, exc)
+        elif stopped:  # here, not in wait_for's thread: MindSpore is not thread-safe
+            saver.save_now(trainer.train_network, progress.position)
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         checkpoints.checkpoint_path(saver.directory, progress.position))
         else:
             log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
                       "stay in %s", exc, exc.advice(job.cfg.lr), saver.directory)
-        tracker.finish("KILLED" if stopped else "FAILED", timeout=tracking.STOP_TIMEOUT_S)
-
-    try:
-        if stopped and job.collective.is_main:  # here, not in wait_for's thread: MindSpore is not thread-safe
-            saver.save_now(trainer.train_network, progress.position)
-        job.collective.wait_for(finish if job.collective.is_main else None)
+        job.collective.wait_for(finish if is_main else None)  # the others wait for rank 0's tracking
     except common.DiskFull as full:  # its message says that the next start resumes
         return stop_early(job, full, trainer, progress, saver, tracker)
     except common.UsageError:

@@ -56,9 +56,11 @@ def mlflow_server(directory, host="127.0.0.1", port=None, prefix=(), app_name=No
            "--artifacts-destination", str(directory / "artifacts"), *(["--app-name", app_name] if app_name else [])]
     log_path = directory / "server.log"
     with open(log_path, "wb") as log_file:
-        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory,
-                                  start_new_session=True,  # basic-auth's CSRF protection needs a fixed key
-                                  env={**os.environ, "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only"})
+        # basic-auth's CSRF protection needs a fixed key. The server's job runner (seven huey consumers, for
+        # MLflow's GenAI jobs; no tracking call uses them) would double what each server costs to start.
+        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory, start_new_session=True,
+                                  env={**os.environ, "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only",
+                                       "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         try:
             wait_until_up(f"{url}/health", server, log_path, prefix=prefix)
             yield url, server
