@@ -198,8 +198,9 @@ def start_tracking(job, resumed, splits, sources):
     collective.wait_for(start if collective.is_main else None)
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
-        if run_id and collective.is_local_main and not collective.is_main:
-            tracking.watch_node(run_id, node)
+        watches = run_id and collective.is_local_main and not collective.is_main
+        # Awaited: its import of MLflow takes seconds, and a collective fails a rank MS_NODE_TIMEOUT late.
+        collective.wait_for(functools.partial(tracking.watch_node, run_id, node) if watches else None)
     return tracker
 
 

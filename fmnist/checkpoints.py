@@ -99,7 +99,7 @@ def load_latest_checkpoint(directory, train_network, current):
             params = ms.load_checkpoint(str(path), crc_check=True)
             meta = json.loads(params.pop("meta"))
         except Exception as exc:  # pylint: disable=broad-except
-            log.warning("skipping checkpoint %s: %s", path, str(exc).splitlines()[0])
+            log.warning("skipping checkpoint %s: %s", path, common.first_line(exc))
             continue
         if conflicts := resume_conflicts(meta, current):
             raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "

@@ -77,7 +77,7 @@ class TrainingMonitor(Callback):
         self.global_batch, self.log_interval, self.laps = global_batch, log_interval, laps
         # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
         self.untrained_loss, self.chance, self.check_learning = math.log(num_classes), 1 / num_classes, check_learning
-        self._loss_sum, self._loss_steps = None, 0
+        self._loss_sum = None
         self._overflows, self._loss_scale = None, None  # under dynamic loss scaling, read once per interval
 
     def on_train_epoch_begin(self, run_context):
@@ -93,7 +93,6 @@ class TrainingMonitor(Callback):
             overflowed = ops.cast(outputs[1], ms.int32)
             self._overflows = overflowed if self._overflows is None else self._overflows + overflowed
             self._loss_scale = outputs[2]
-        self._loss_steps += 1
         self._epoch_steps += 1
         self._interval_steps += 1
         progress.position = checkpoints.Position(cb.cur_epoch_num - 1,
@@ -112,9 +111,9 @@ class TrainingMonitor(Callback):
     def _report_interval(self, cb, step):
         # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
         gathered = self.collective.all_gather(
-            np.array([float(self._loss_sum.asnumpy()) / self._loss_steps, self.stop.signum], dtype=np.float64))
+            np.array([float(self._loss_sum.asnumpy()) / self._interval_steps, self.stop.signum], dtype=np.float64))
         per_rank, stop_signals = gathered[:, 0], gathered[:, 1]
-        self._loss_sum, self._loss_steps = None, 0
+        self._loss_sum = None
         if not np.isfinite(per_rank).all():
             raise Diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
         if self.check_learning and per_rank.mean() > EXPLODED * self.untrained_loss:

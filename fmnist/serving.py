@@ -40,7 +40,7 @@ def load_model(path):
             raise ValueError(f"it has no {', '.join(missing)}")
         return net
     except (ValueError, RuntimeError) as exc:
-        raise common.UsageError(f"--predict {path}: cannot load it ({str(exc).splitlines()[0]})") from None
+        raise common.UsageError(f"--predict {path}: cannot load it ({common.first_line(exc)})") from None
 
 
 def predict(path, test_ds, evaluation, is_main):
