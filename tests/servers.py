@@ -1,5 +1,6 @@
 """Real servers on loopback for the tests and the benchmark: a free port, a readiness poll, an `mlflow server`
-with its own SQLite store, and `mlflow models serve` of a logged model. Standard library only, so the benchmark can use it without pytest."""
+with its own SQLite store, and `mlflow models serve` of a logged model. Standard library only, so that the
+benchmark can use it without pytest."""
 
 import contextlib
 import os

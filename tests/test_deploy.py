@@ -22,8 +22,9 @@ OPERATOR_MANIFESTS = ["k8s-ascendjob.yaml", "k8s-ascendjob-multinode.yaml", "k8s
 
 def checkov(manifest):
     """checkov from its own venv (its pins would move the job's), on one manifest file."""
-    return subprocess.run([str(ROOT / ".venv-checkov" / "bin" / "checkov"), "--skip-download", "--quiet", "--compact", "--framework", "kubernetes",
-                           "-f", manifest], cwd=ROOT, capture_output=True, text=True, check=False)
+    return subprocess.run([str(ROOT / ".venv-checkov" / "bin" / "checkov"), "--skip-download", "--quiet", "--compact",
+                           "--framework", "kubernetes", "-f", manifest],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
 
 
 def tool(name, *args):
@@ -108,7 +109,8 @@ def test_dockerfile_builds_on_cann_for_910b_by_default_and_310p_on_request():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG CANN_CHIP=910b\n" in dockerfile
     assert "ARG BASE_IMAGE=quay.io/ascend/cann:8.5.0-${CANN_CHIP}-ubuntu22.04-py3.11\n" in dockerfile
-    assert "--build-arg CANN_CHIP=310p" in dockerfile and "--build-arg CANN_CHIP=310p" in (ROOT / "docs" / "deployment.md").read_text()
+    assert "--build-arg CANN_CHIP=310p" in dockerfile
+    assert "--build-arg CANN_CHIP=310p" in (ROOT / "docs" / "deployment.md").read_text()
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS)

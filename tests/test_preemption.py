@@ -87,7 +87,8 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     summary, resumed_log = run(tmp_path, workers, args)
     assert summary["weights_sha256"] == uninterrupted[workers]
     assert (summary["resumed_from_epoch"], summary["resumed_from_step"], summary["restarts"]) == (1, step_in_epoch, 1)
-    assert f"resuming from out/checkpoints/{checkpoints[-1]}: 1 of 2 epochs and {step_in_epoch} steps done" in resumed_log
+    assert (f"resuming from out/checkpoints/{checkpoints[-1]}: 1 of 2 epochs and {step_in_epoch} steps done"
+            in resumed_log)
     assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2]
 
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel

@@ -282,8 +282,8 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
         outputs = [node.communicate(timeout=600)[0] for node in nodes]
         assert [node.returncode for node in nodes] == [0, 0], [out[-2000:] for out in outputs]
         summary = read_summary(tmp_path / "out")
-        metrics = in_namespace(two_hosts[0], "import json, sys, mlflow; "
-                               "print(json.dumps(sorted(mlflow.MlflowClient(sys.argv[1]).get_run(sys.argv[2]).data.metrics)))",
+        metrics = in_namespace(two_hosts[0], "import json, sys, mlflow; print(json.dumps(sorted("
+                               "mlflow.MlflowClient(sys.argv[1]).get_run(sys.argv[2]).data.metrics)))",
                                url, summary["mlflow_run_id"])
     assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 3 epochs done" in worker0.read_text()
     assert (summary["world_size"], summary["replicas_identical"], summary["resumed_from_epoch"]) == (2, True, 1)
