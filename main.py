@@ -129,21 +129,17 @@ def get_data(job):
 
 def build_model(job, evaluation):
     """The network, its loss, the optimizer and mixed precision as one Model (gradients averaged across ranks)."""
-    cfg = job.cfg
+    cfg, fixed_scale = job.cfg, job.loss_scaling.partition("fixed:")[2]
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
     # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
-    scale = settings.fixed_loss_scale(job.loss_scaling) or 1.0
-    common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": scale}
+    common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": float(fixed_scale or 1)}
     momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
     optimizer = (nn.Adam(net.trainable_params(), **common_args) if cfg.optimizer == "adam"
                  else nn.SGD(net.trainable_params(), momentum=momentum, **common_args))
-    manager = None  # --loss-scale none
-    if job.loss_scaling == "dynamic":
-        manager = ms.amp.DynamicLossScaleManager()
-    elif job.loss_scaling.startswith("fixed:"):
-        # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
-        manager = ms.amp.FixedLossScaleManager(scale, drop_overflow_update=False)
+    # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
+    manager = (ms.amp.DynamicLossScaleManager() if job.loss_scaling == "dynamic" else
+               ms.amp.FixedLossScaleManager(float(fixed_scale), drop_overflow_update=False) if fixed_scale else None)
     return net, Model(net, loss_fn, optimizer, amp_level=job.amp_level, metrics={"test": evaluation},
                       loss_scale_manager=manager)
 

@@ -15,8 +15,7 @@ from mindspore.train import Callback
 from . import common, settings
 from .common import log
 
-CHECKPOINT_FORMAT = 3  # 3 adds the step within the epoch (2 is read as step 0); 2 added the settings
-READABLE_FORMATS = (2, 3)
+CHECKPOINT_FORMAT = 3  # 3 added the step within the epoch and the restarts; 2 added the settings
 NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
 RECORD = "last-step"  # rank 0's newest finished step and its time, beside the checkpoints
 
@@ -77,7 +76,7 @@ def trajectory(cfg, resolved, train_network):
 
 def resume_conflicts(meta, current):
     """'name: was X, now Y' for each way a checkpoint's training differs from this job's."""
-    if meta.get("format") not in READABLE_FORMATS:
+    if meta.get("format") != CHECKPOINT_FORMAT:
         return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
     saved, conflicts = meta["trajectory"], []
@@ -98,7 +97,7 @@ def load_latest_checkpoint(directory, train_network, current):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
             meta = json.loads(params.pop("meta"))
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             log.warning("skipping checkpoint %s: %s", path, common.first_line(exc))
             continue
         if conflicts := resume_conflicts(meta, current):
@@ -114,8 +113,7 @@ def load_latest_checkpoint(directory, train_network, current):
             last_step = int(step), float(when)
         except (OSError, ValueError):
             last_step = None
-        # Format 2 had neither the step nor the restart count: it was written at an epoch's end.
-        return Resumed(path, Position(meta["epoch"], meta.get("step", 0)), meta.get("restarts", 0), meta["history"],
+        return Resumed(path, Position(meta["epoch"], meta["step"]), meta["restarts"], meta["history"],
                        [tuple(p) for p in meta["loss_points"]], last_step)
     return None
 

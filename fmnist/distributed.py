@@ -53,10 +53,7 @@ def cap_onednn_isa(environ=os.environ, machine=None):
 
 def cpu_description(cpuinfo="/proc/cpuinfo"):
     """The CPU model and the ISA flags that decide oneDNN's kernels, so figures from two hosts compare."""
-    try:
-        first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
-    except OSError:
-        return {"model": platform.processor() or platform.machine(), "flags": []}
+    first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     return {"model": fields.get("model name", platform.machine()),
@@ -143,8 +140,7 @@ class Collective:
 
     def broadcast_text(self, text, length=64):
         """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
-        codes = np.zeros(length, dtype=np.int32)
-        codes[:len(text)] = list(text.encode("ascii"))
+        codes = np.frombuffer(text.encode("ascii").ljust(length, b"\0"), dtype=np.uint8).astype(np.int32)
         return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
 
 
@@ -179,12 +175,9 @@ class StopRequest:
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._record)
+            signal.signal(signum, lambda received, _frame: setattr(self, "signum", received))
         return self
 
     def __exit__(self, *exc_info):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _record(self, signum, frame):
-        self.signum = signum

@@ -4,7 +4,6 @@ a system copy (Debian's dataset-fashion-mnist), or a mirror. No MindSpore."""
 import gzip
 import hashlib
 import math
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -87,8 +86,8 @@ def local_copy(directory, name):
     return next((p for p in (Path(directory) / f"{name}.gz", Path(directory) / name) if p.is_file()), None)
 
 
-class TooSlow(ConnectionError):
-    """A transfer that trickles or outlasts its deadline: another attempt at the same mirror would too."""
+class TooSlow(ValueError):
+    """A transfer that trickles or outlasts its deadline: not retried, as another attempt would do the same."""
 
 
 def receive(url, response, timeout, deadline, say):
@@ -128,12 +127,10 @@ def download(url, timeout, say=print, deadline=600.0):
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
                 return receive(url, response, timeout, deadline, say)
-        except TooSlow:
-            raise
         except urllib.error.HTTPError as exc:
             if exc.code < 500 or attempt == DOWNLOAD_RETRIES:  # 4xx will not change on retry
                 raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as exc:
+        except OSError as exc:  # URLError, a connection's error or a time-out
             if attempt == DOWNLOAD_RETRIES:
                 raise ConnectionError(f"{url}: {getattr(exc, 'reason', exc)} (after {attempt} attempts)") from None
         time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
@@ -176,18 +173,15 @@ def problem_with_copy(data_dir, name, expected):
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """The four verified IDX files in data_dir, with no request when they are there; {name: where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
-    problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
-    if all(problem is None for problem in problems.values()):
+    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
-            for name, expected in checksums.items():
-                # A verified copy is hashed once; the others again: another job may have fetched them meanwhile.
-                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
-                if problem:
+            for name, expected in checksums.items():  # checked again: another job may have fetched them meanwhile
+                if problem := problem_with_copy(data_dir, name, expected):
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(
                     name, expected, data_dir, system_dirs, mirrors, timeout, say, deadline, failures=[problem])

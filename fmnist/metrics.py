@@ -2,20 +2,10 @@
 figure is the job's, never rank 0's shard alone; and what mixed precision did to the trained network."""
 
 import numpy as np
+from scipy.special import log_softmax
 
 import mindspore as ms
 from mindspore.train import Metric
-
-
-def log_softmax(logits):
-    """Log-probabilities of each row of logits, computed stably in float64."""
-    logits = np.asarray(logits, dtype=np.float64)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-
-
-def cross_entropy(logits, one_hot_labels):
-    return -(one_hot_labels * log_softmax(logits)).sum(axis=1)
 
 
 class Evaluation(Metric):
@@ -30,8 +20,8 @@ class Evaluation(Metric):
         self._loss, self._confusion = 0.0, np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
 
     def update(self, *inputs):  # logits and one-hot labels, as Model.eval passes them
-        logits, labels = inputs[0].asnumpy(), inputs[1].asnumpy()
-        self._loss += float(cross_entropy(logits, labels).sum())
+        logits, labels = inputs[0].asnumpy().astype(np.float64), inputs[1].asnumpy()
+        self._loss -= float((labels * log_softmax(logits, axis=1)).sum())  # the cross-entropy, stably
         np.add.at(self._confusion, (labels.argmax(axis=1), logits.argmax(axis=1)), 1)
 
     def eval(self):
@@ -48,7 +38,7 @@ def mixed_precision(train_step, net, float32_net, images):
     the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of the
     step's logits against `float32_net` given net's weights; step_loss_scale, the backward pass's factor."""
     ms.load_param_into_net(float32_net, net.parameters_dict())
-    amp_forward = train_step.network._backbone  # pylint: disable=protected-access  (the network after amp)
+    amp_forward = train_step.network._backbone  # the network after amp
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
     return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
             "amp_logit_error": float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()),

@@ -32,9 +32,9 @@ def write_all(output_dir, net, splits, progress, summary, seed, tracker, registe
 
 def draw(picture, path, *args):
     """`picture(plt, *args)` drawn by matplotlib on its file-only backend, written whole to `path` as a PNG."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt
     fig = picture(plt, *args)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)

@@ -6,11 +6,12 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from scipy.special import softmax
 
 import mindspore as ms
 from mindspore import Tensor, nn
 
-from . import common, data, distributed, metrics, model
+from . import common, data, distributed, model
 
 
 def export_mindir(net, path):
@@ -57,8 +58,8 @@ def predict(path, test_ds, evaluation, is_main):
 
 def prediction_frame(logits):
     """Per image: the class index, the class name and the probabilities of every class."""
-    import pandas as pd  # pylint: disable=import-outside-toplevel
-    probabilities = np.exp(metrics.log_softmax(logits))
+    import pandas as pd
+    probabilities = softmax(np.asarray(logits, dtype=np.float64), axis=1)
     classes = probabilities.argmax(axis=1)
     return pd.DataFrame({"class_index": classes.astype(np.int64),
                          "class_name": [data.CLASS_NAMES[c] for c in classes],
@@ -91,8 +92,8 @@ class ServedModel:
         self.net = nn.GraphCell(ms.load(str(mindir)))
         self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))  # compiled now, not by a request
 
-    def predict(self, model_input, params=None):  # pylint: disable=unused-argument
-        from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+    def predict(self, model_input, params=None):
+        from mlflow.exceptions import MlflowException
         try:
             images = pixels(model_input)
         except ValueError as exc:

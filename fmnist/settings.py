@@ -91,7 +91,6 @@ class Config:
 
 
 FIELDS = dataclasses.fields(Config)
-BATCH_SIZE = next(f for f in FIELDS if f.name == "batch_size")
 COURSE = frozenset(f.name for f in FIELDS if f.metadata["course"])
 
 
@@ -152,11 +151,6 @@ def resolve_loss_scale(loss_scale, amp_level, device):
     return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
 
 
-def fixed_loss_scale(mode):
-    """The scale of a "fixed:<scale>" mode, else None."""
-    return float(mode.partition(":")[2]) if mode.startswith("fixed:") else None
-
-
 def check_against_data(cfg, world_size, train_count, test_count):
     """The settings, if every rank has test images and a step's global batch fits the training set (the default
     batch size is lowered to fit); else UsageError naming the limit."""
@@ -166,7 +160,7 @@ def check_against_data(cfg, world_size, train_count, test_count):
     per_step, fitted = cfg.batch_size * world_size, train_count // world_size
     if cfg.predict or per_step <= train_count:
         return cfg
-    if cfg.batch_size == BATCH_SIZE.default and fitted:
+    if cfg.batch_size == Config.batch_size and fitted:
         common.log.warning("--batch-size %d (the default) with %d worker(s) is more than the %d training images: "
                            "using %d", cfg.batch_size, world_size, train_count, fitted)
         return dataclasses.replace(cfg, batch_size=fitted)
@@ -206,7 +200,7 @@ def main(argv):
         cfg = parse_config(argv[1:])
         checksums = fetch.load_checksums(cfg.checksums_file)
         if cfg.loss_scale == "dynamic":  # the one setting the device decides on, the one check needing MindSpore
-            from . import distributed  # pylint: disable=import-outside-toplevel
+            from . import distributed
             target = distributed.resolve_device(cfg.device)
             resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
         usable_dir(cfg.output_dir, "--output-dir")

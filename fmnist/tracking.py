@@ -36,7 +36,7 @@ class Refused(common.UsageError):
 
 
 def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
-    from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+    from mlflow.exceptions import MlflowException
     if isinstance(exc, MlflowException):
         return "transient" if exc.get_http_status_code() in (429, *range(500, 600)) else "refused"
     transient = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
@@ -47,7 +47,7 @@ class Sender:
     """Sends a journal's lines from the recorded position, recording the position (and the run) after each."""
 
     def __init__(self, output_dir):
-        import mlflow  # pylint: disable=import-outside-toplevel
+        import mlflow
         os.environ.update({name: value for name, value in MLFLOW_DEFAULTS.items() if name not in os.environ})
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # the sender's own line says it
         self.journal, self.position = Path(output_dir) / JOURNAL, Path(output_dir) / POSITION
@@ -69,7 +69,7 @@ class Sender:
                 batch.append(pending[len(batch)])
             try:
                 self.send([line for _, line in batch])
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 kind = kind_of_failure(exc)
                 if kind == "transient":
                     self.failures += 1
@@ -94,7 +94,7 @@ class Sender:
         return True
 
     def send(self, ops):
-        from mlflow.entities import Metric  # pylint: disable=import-outside-toplevel
+        from mlflow.entities import Metric
         self.client, op = self.client or self.mlflow.MlflowClient(self.uri), ops[0]
         if op["op"] == "metrics":
             self.client.log_batch(self.run_id, metrics=[Metric(key, value, line["timestamp"], line["step"])
@@ -108,7 +108,7 @@ class Sender:
 
     def start(self, op):
         """Continue the training's run when it resumed and the store has it; else create one."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag, Param  # pylint: disable=import-outside-toplevel
+        from mlflow.entities import Dataset, DatasetInput, InputTag, Param
         tags = op["tags"]
         if op["continues"] and self.run_id:
             try:
@@ -135,7 +135,7 @@ class Sender:
     def log_model(self, op):
         """The MindIR as the run's pyfunc model `model` (fmnist.serving loads it), registered when asked. Its input
         is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
-        import pandas as pd  # pylint: disable=import-outside-toplevel
+        import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
         with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
             warnings.simplefilter("ignore", UserWarning)
@@ -175,7 +175,7 @@ class Tracker:
 
     def start(self, experiment, run_name, params, tags, datasets, continues):
         """Journal the run's start with MLflow's context tags (user, source, commit); online, await the answer."""
-        import mlflow  # pylint: disable=import-outside-toplevel
+        import mlflow
         params = {key: str(value) for key, value in params.items()}
         self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
                             tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
@@ -226,7 +226,7 @@ class Tracker:
                     return
             except Refused:
                 return
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 log.warning("MLflow: the sender failed (%s); the journal keeps the rest", common.first_line(exc))
             with self.journal.appended:
                 self.journal.appended.wait(1)
@@ -234,8 +234,7 @@ class Tracker:
 
 def sample_system(log_metrics, node, stopped):
     """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until `stopped`."""
-    from mlflow.system_metrics.metrics import (  # pylint: disable=import-outside-toplevel
-        cpu_monitor, disk_monitor, network_monitor)
+    from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
     monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
     while not stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
         try:
@@ -246,20 +245,19 @@ def sample_system(log_metrics, node, stopped):
                 monitor.clear_metrics()
             log_metrics(values, step)
             step += 1
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             log.warning("MLflow: system metrics not logged: %s", common.first_line(exc))
 
 
 def watch_node(run_id, node):
     """MLflow's own system-metrics monitor, straight to the run: a further node's, online only."""
-    from mlflow.system_metrics.system_metrics_monitor import (  # pylint: disable=import-outside-toplevel
-        SystemMetricsMonitor)
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
     SystemMetricsMonitor(run_id, node_id=node).start()
 
 
 def dataset_entities(splits, checksums, sources):
     """The splits as MLflow dataset entities, [(context, fields)], their digests from the data's checksums."""
-    import mlflow  # pylint: disable=import-outside-toplevel
+    import mlflow
     entities = []
     for context, split, part in (("training", "train", splits.train), ("evaluation", "t10k", splits.test)):
         names = [f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"]
