@@ -21,7 +21,7 @@ run: $(VENV)/.runtime system-data
 # Two tests at a time: one at a time the suite mostly waits (msrun's starts and heartbeats, servers coming up);
 # three at a time it is no faster (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
 test: $(VENV)/.dev
-	PATH="$(BIN):$$PATH" python -m pytest -n 2 --dist loadgroup -m "not image" $(PYTEST_ARGS)
+	PATH="$(BIN):$$PATH" python -m pytest -n 3 --dist loadgroup -m "not image" $(PYTEST_ARGS)
 
 # IMAGE_TESTS=required: a machine that cannot run them fails them instead of skipping them.
 test-image: $(VENV)/.dev image-tools

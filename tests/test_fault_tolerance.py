@@ -205,9 +205,3 @@ def test_a_bit_flipped_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(f
     assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in result.stderr
     assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 4 epochs done" in result.stderr
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]
-
-
-def test_predict_names_a_missing_model(tiny_data, tmp_path):
-    result = run_main(tmp_path, ["--data-dir", str(tiny_data), "--checksums-file", str(tiny_data / "CHECKSUMS"),
-                                 "--data-mirrors", "", "--predict", "missing.ckpt"])
-    assert result.returncode == 2 and "--predict missing.ckpt: no such file" in result.stderr

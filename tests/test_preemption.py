@@ -1,5 +1,6 @@
 """Preemption without lost work, with real msrun and 2 CPU workers (and one process): step checkpoints, the
-checkpoint at a SIGTERM stop, a resume from the middle of an epoch that ends bit-identical to a training never
+checkpoint at a SIGTERM stop (run.sh as PID 1, as in a pod: every rank stops at one step, within the grace period,
+and the run is KILLED), a resume from the middle of an epoch that ends bit-identical to a training never
 interrupted, and each restart's cost in the same MLflow run."""
 
 import re
@@ -59,13 +60,15 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     args = job_args(longer_data)
     job, log = start(tmp_path, workers, args)
     wait_for(log, r"epoch 2/2 \| step (40|48)/", job, timeout=300)
+    signalled = time.monotonic()
     if how == "kill":
         job.kill()  # with 2 workers, unshare's PID namespace goes, and every process of the job with it
     else:  # to run.sh, as Kubernetes would signal its PID 1
         (psutil.Process(job.pid).children()[0] if workers > 1 else job).send_signal(signal.SIGTERM)
     status = job.wait(timeout=120)
-    stopped_at = time.time()  # after the stopped job's last step
+    stopped_at, stopped_after = time.time(), time.monotonic() - signalled  # after the stopped job's last step
     stopped_log = log.read_text()
+    assert not (tmp_path / "out" / "summary.json").exists()
     last_step = int((tmp_path / "out" / "checkpoints" / "last-step").read_text().split()[0])
     checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt"))
     assert len(checkpoints) <= 3, checkpoints  # --keep-checkpoints
@@ -76,11 +79,22 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
         # The ranks agree at a log interval (8 steps), and rank 0 checkpoints that very step: nothing is lost.
         assert step_in_epoch % 8 == 0 and last_step == resumed_step, (checkpoints, last_step)
         assert f"checkpoint out/checkpoints/{checkpoints[-1]} written, the next start resumes from it" in stopped_log
+        assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
+        if workers > 1:  # rank 1 ended on its own at rank 0's step: as PID 1's exit the kernel would have killed it
+            stop = re.search(r"stopped by SIGTERM at step (\d+)", stopped_log).group(1)
+            worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+            assert f"rank 1 stops with the others: stopped by SIGTERM at step {stop}" in worker1, worker1[-2000:]
     else:
         assert status in (-signal.SIGKILL, 128 + signal.SIGKILL), stopped_log[-3000:]
         assert resumed_step % EVERY == 0, checkpoints
         # At most one checkpoint's interval lost, and the one the writer had in flight.
         assert 0 <= last_step - resumed_step < 2 * EVERY, (checkpoints, last_step)
+
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stopped_run_id = re.search(r"MLflow: run (\w+)", stopped_log).group(1)
+    if how == "sigterm":  # a kill -9 leaves no word
+        assert client.get_run(stopped_run_id).info.status == "KILLED"
 
     time.sleep(2)  # a gap the restart's cost must include
     rerun_at = time.time()
@@ -91,9 +105,8 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
             in resumed_log)
     assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2]
 
-    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = summary["mlflow_run_id"]
+    assert run_id == stopped_run_id and client.get_run(run_id).info.status == "FINISHED"  # the same run, continued
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 1 and metrics["restart_steps_lost"] == last_step - resumed_step
     cost = re.search(r"restart 1: (\d+) steps lost, ([\d.]+) s from the stop to this step", resumed_log)
