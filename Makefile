@@ -18,8 +18,8 @@ IMAGE_TOOLS := podman runc netavark aardvark-dns iptables catatonit mmdebstrap
 run: $(VENV)/.runtime system-data
 	PATH="$(BIN):$$PATH" ./run.sh $(ARGS)
 
-# Two tests at a time: one at a time the suite mostly waits (msrun's starts and heartbeats, servers coming up);
-# three at a time it is no faster (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
+# Three tests at a time: fewer, and the suite waits for msrun's starts and heartbeats and for servers; three keep
+# both cores busy (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
 test: $(VENV)/.dev
 	PATH="$(BIN):$$PATH" python -m pytest -n 3 --dist loadgroup -m "not image" $(PYTEST_ARGS)
 
