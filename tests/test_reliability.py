@@ -103,7 +103,8 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         kill_all(job_processes(holder.pid))
         holder.kill()
         holder.wait(timeout=60)
-    after_crash = run_main(tmp_path, [*args, "--epochs", "1", "--resume", "never"], timeout=300)
+    # The lock is free: a job starts and finishes there (32 batches of 256 are enough to show it).
+    after_crash = run_main(tmp_path, [*args, "--epochs", "1", "--resume", "never", "--batch-size", "256"], timeout=300)
     assert after_crash.returncode == 0, after_crash.stderr[-3000:]
 
 
