@@ -75,6 +75,7 @@ def test_directories_with_spaces_and_accents_work(tiny_data, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = read_summary(tmp_path / "öut put")
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True and summary["mlflow_run_id"]
+    assert "Results: öut put/summary.json" in result.stdout
     for name in ("model.mindir", "model.ckpt", "samples.png", "confusion_matrix.png", "logs/worker_1.log"):
         assert (tmp_path / "öut put" / name).is_file(), name
     assert not list((tmp_path / "öut put").glob(".*part*"))  # no temporary file left behind

@@ -131,16 +131,13 @@ def test_dockerignore_sends_only_what_the_image_copies():
     assert sent == sorted(source.rstrip("/") for sources in copies for source in sources)
 
 
-@pytest.mark.parametrize("workers", [2, 1])
-def test_run_sh_trains_from_another_directory(tiny_data, tmp_path, workers):
-    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS=str(workers))
+def test_run_sh_trains_one_worker_from_another_directory(tiny_data, tmp_path):
+    """Two workers from another directory: test_bad_input.py's run in directories with spaces and accents."""
+    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS="1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = read_summary(tmp_path / "out")
-    assert summary["world_size"] == workers
-    if workers > 1:  # with one worker there is nothing to compare
-        assert summary["replicas_identical"] is True
+    assert read_summary(tmp_path / "out")["world_size"] == 1
     assert "Results: out/summary.json" in result.stdout
-    assert (tmp_path / "out" / "logs" / f"worker_{workers - 1}.log").is_file()
+    assert (tmp_path / "out" / "logs" / "worker_0.log").is_file()
 
 
 def test_run_sh_failure_names_the_worker_and_shows_its_log(tiny_data, tmp_path):
