@@ -134,17 +134,18 @@ def get_data(job):
 
 def build_model(job, evaluation):
     """The network, its loss, the optimizer and mixed precision as one Model (gradients averaged across ranks)."""
-    cfg, fixed_scale = job.cfg, job.loss_scaling.partition("fixed:")[2]
+    cfg, fixed = job.cfg, job.loss_scaling.startswith("fixed:")
+    scale = float(job.loss_scaling.partition(":")[2]) if fixed else 1.0
     net = model.build_network(len(data.CLASS_NAMES))
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")
     # A fixed scale without overflow checks leaves the gradients scaled: the optimizer divides them back.
-    common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": float(fixed_scale or 1)}
+    common_args = {"learning_rate": cfg.lr, "weight_decay": cfg.weight_decay, "loss_scale": scale}
     momentum = cfg.momentum if cfg.optimizer == "momentum" else 0.0
     optimizer = (nn.Adam(net.trainable_params(), **common_args) if cfg.optimizer == "adam"
                  else nn.SGD(net.trainable_params(), momentum=momentum, **common_args))
     # drop_overflow_update=False is the only fixed scaling MindSpore runs on CPU, and needs no overflow check.
     manager = (ms.amp.DynamicLossScaleManager() if job.loss_scaling == "dynamic" else
-               ms.amp.FixedLossScaleManager(float(fixed_scale), drop_overflow_update=False) if fixed_scale else None)
+               ms.amp.FixedLossScaleManager(scale, drop_overflow_update=False) if fixed else None)
     return net, Model(net, loss_fn, optimizer, amp_level=job.amp_level, metrics={"test": evaluation},
                       loss_scale_manager=manager)
 

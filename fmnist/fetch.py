@@ -173,15 +173,18 @@ def problem_with_copy(data_dir, name, expected):
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """The four verified IDX files in data_dir, with no request when they are there; {name: where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
-    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
+    problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
+    if all(problem is None for problem in problems.values()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
-            for name, expected in checksums.items():  # checked again: another job may have fetched them meanwhile
-                if problem := problem_with_copy(data_dir, name, expected):
+            for name, expected in checksums.items():
+                # A verified copy is hashed once; the others again: another job may have fetched them meanwhile.
+                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
+                if problem:
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(
                     name, expected, data_dir, system_dirs, mirrors, timeout, say, deadline, failures=[problem])
