@@ -219,7 +219,7 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
         if not is_main:  # rank 0 says why; the others say where they stopped
             log.info("rank %d stops with the others: %s", job.collective.rank, exc)
         elif stopped:  # here, not in wait_for's thread: MindSpore is not thread-safe
-            saver.save_now(trainer.train_network, progress.position)
+            saver.save(trainer.train_network, progress.position)
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         checkpoints.checkpoint_path(saver.directory, progress.position))
         else:

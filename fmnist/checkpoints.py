@@ -33,14 +33,13 @@ class Position:
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """The checkpoint a job resumes from: where, how far, its figures so far, and how the stopped job ended."""
+    """The checkpoint a job resumes from: where, how far, and its figures so far."""
 
     path: Path
     position: Position
     restarts: int  # restarts before this one
     history: list  # the per-epoch figures of the epochs done
     loss_points: list  # (epoch as a fraction, training loss) so far
-    last_step: tuple = None  # (global step, wall-clock time) of the stopped job's newest step, if recorded
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -108,13 +107,8 @@ def load_latest_checkpoint(directory, train_network, current):
         if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
             raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
                                     f"{missing[0]}; start fresh with --resume never")
-        try:
-            step, when = Path(directory, RECORD).read_text().split()
-            last_step = int(step), float(when)
-        except (OSError, ValueError):
-            last_step = None
         return Resumed(path, Position(meta["epoch"], meta["step"]), meta["restarts"], meta["history"],
-                       [tuple(p) for p in meta["loss_points"]], last_step)
+                       [tuple(p) for p in meta["loss_points"]])
     return None
 
 
@@ -142,6 +136,11 @@ class CheckpointSaver(Callback):
         self.resumed, self.restarts = resumed, resumed.restarts + 1 if resumed else 0  # this start's number
         self.save_s = []  # each save's time, seconds
         self.directory.mkdir(parents=True, exist_ok=True)
+        try:  # (global step, wall-clock time) of the stopped job's newest step
+            step, when = (self.directory / RECORD).read_text().split()
+            self.last_step = int(step), float(when)
+        except (OSError, ValueError):
+            self.last_step = None
         self._record = os.open(self.directory / RECORD, os.O_WRONLY | os.O_CREAT, 0o644)
 
     def on_train_step_end(self, run_context):
@@ -163,7 +162,7 @@ class CheckpointSaver(Callback):
 
     def log_restart_cost(self, step):
         # Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now.
-        last = self.resumed.last_step
+        last = self.last_step
         resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
         cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}
         if last:
@@ -180,8 +179,5 @@ class CheckpointSaver(Callback):
         save_checkpoint(train_network, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()
+        self.mark()  # a stop's checkpoint is its newest step
         self.save_s.append(time.perf_counter() - started)
-
-    def save_now(self, train_network, position):
-        self.save(train_network, position)
-        self.mark()

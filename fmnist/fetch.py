@@ -134,7 +134,6 @@ def download(url, timeout, say=print, deadline=600.0):
             if attempt == DOWNLOAD_RETRIES:
                 raise ConnectionError(f"{url}: {getattr(exc, 'reason', exc)} (after {attempt} attempts)") from None
         time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
-    raise AssertionError("unreachable")
 
 
 def fetch_file(name, expected, data_dir, system_dirs, mirrors, timeout, say=print, deadline=600.0, failures=()):

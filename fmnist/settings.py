@@ -169,18 +169,6 @@ def check_against_data(cfg, world_size, train_count, test_count):
                             f"images a step, but the training set has {train_count}: {fix} (flag or BATCH_SIZE)")
 
 
-def usable_dir(path, flag):
-    """UsageError unless `path` is a directory this process may write in, or can create as one."""
-    existing = Path(path)
-    while not existing.exists() and existing != existing.parent:  # the nearest ancestor that exists decides
-        existing = existing.parent
-    if not existing.is_dir():
-        raise common.UsageError(f"{flag} {path}: {existing} is not a directory; give a directory path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise common.UsageError(f"{flag} {path}: {existing} is not writable by this user (uid {os.getuid()}); "
-                                "give a directory it may write in")
-
-
 def data_counts(data_dir, checksums):
     """(training images, test images) from the label files when all four are there, else None (the job verifies)."""
     if not all(fetch.local_copy(data_dir, name) for name in checksums):
@@ -203,13 +191,11 @@ def main(argv):
             from . import distributed
             target = distributed.resolve_device(cfg.device)
             resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
-        usable_dir(cfg.output_dir, "--output-dir")
-        lock = cfg.output_dir / ".lock"
-        if lock.exists() and os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job holds it
-            common.hold_lock(lock, f"--output-dir {cfg.output_dir}", probe=True).close()
+        if os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job writes there, and holds its lock
+            common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
         counts = data_counts(cfg.data_dir, checksums)
-        if counts is None:
-            usable_dir(cfg.data_dir, "--data-dir")  # the job will write what it fetches there
+        if counts is None:  # the job will fetch them there, under this lock (which waits for another's fetch)
+            common.hold_lock(cfg.data_dir / ".lock", f"--data-dir {cfg.data_dir}", wait=True, probe=True).close()
         else:
             check_against_data(cfg, int(argv[0]), *counts)
     except common.UsageError as exc:

@@ -352,7 +352,8 @@ def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
 
 def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
     resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.Position(1, 0), restarts=2, history=[],
-                                  loss_points=[], last_step=(300, 990.0))
+                                  loss_points=[])
+    (tmp_path / "last-step").write_text(f"{300:12d} {990.0:20.6f}\n")  # as the stopped job left it
     progress = monitor.Progress(steps_per_epoch=290, position=checkpoints.Position(1, 1), steps_done=1)
     tracker = RecordingTracker()
     saver = checkpoints.CheckpointSaver(tmp_path, 3, 0, progress, tracker, {}, resumed)
