@@ -82,18 +82,13 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return exc.status
     progress = monitor.Progress.resumed_from(resumed, shards.steps_per_epoch)
-    training = monitor.TrainingMonitor(collective, tracker, cfg.epochs, progress,
-                                       cfg.batch_size * collective.world_size, cfg.log_interval, laps,
-                                       len(data.CLASS_NAMES), cfg.divergence_check == "on")
+    training = monitor.TrainingMonitor(cfg, collective, tracker, progress, laps, len(data.CLASS_NAMES))
     saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints, cfg.checkpoint_steps,
                                         progress, tracker, current, resumed) if collective.is_main else None
-    fit_start = time.perf_counter()
     try:
         with training.stop:  # SIGTERM becomes a request the ranks agree on
             train(job, trainer, shards, test_ds, [c for c in (training, saver) if c], start)
-        return report(job, net, trainer, test_ds, splits, progress, tracker, saver,
-                      {"started": laps.started, "fit_s": time.perf_counter() - fit_start, "resumed_from": start,
-                       "startup_phases_s": laps.laps})
+        return report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, start)
     except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
         return stop_early(job, exc, trainer, progress, saver, tracker)
 
@@ -233,7 +228,7 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
     return 128 + exc.signum if stopped else common.EXIT_DIVERGED
 
 
-def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing):
+def report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, start):
     """The results, measured on every rank (gathers) and written by rank 0; exit 1 if the replicas differ."""
     cfg, collective = job.cfg, job.collective
     history = progress.history
@@ -260,10 +255,9 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, timing)
         "test_samples": int(final["confusion"].sum()),
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at,
-        "startup_phases_s": timing["startup_phases_s"], "fit_s": timing["fit_s"],
-        "wall_s": time.perf_counter() - timing["started"], "replicas_identical": identical,
+        "startup_phases_s": laps.laps, "wall_s": time.perf_counter() - laps.started, "replicas_identical": identical,
         "mlflow_run_id": tracker.run_id, "skipped_steps": progress.skipped_steps,
-        "resumed_from_epoch": timing["resumed_from"].epoch, "resumed_from_step": timing["resumed_from"].step,
+        "resumed_from_epoch": start.epoch, "resumed_from_step": start.step,
         "restarts": saver.restarts, "weights_sha256": fingerprints[0].tobytes().hex(),
         "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,

@@ -69,14 +69,14 @@ class Laps:
 class TrainingMonitor(Callback):
     """The training loss (mean and per rank) and samples/s every log interval, and each epoch's validation."""
 
-    def __init__(self, collective, tracker, epochs, progress, global_batch, log_interval, laps, num_classes=10,
-                 check_learning=True, stop=None):
+    def __init__(self, cfg, collective, tracker, progress, laps, num_classes):
         super().__init__()
-        self.collective, self.tracker, self.stop = collective, tracker, stop or distributed.StopRequest()
-        self.epochs, self.progress, self.steps_per_epoch = epochs, progress, progress.steps_per_epoch
-        self.global_batch, self.log_interval, self.laps = global_batch, log_interval, laps
+        self.collective, self.tracker, self.stop = collective, tracker, distributed.StopRequest()
+        self.epochs, self.progress, self.steps_per_epoch = cfg.epochs, progress, progress.steps_per_epoch
+        self.global_batch, self.log_interval, self.laps = cfg.batch_size * collective.world_size, cfg.log_interval, laps
         # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
-        self.untrained_loss, self.chance, self.check_learning = math.log(num_classes), 1 / num_classes, check_learning
+        self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
+        self.check_learning = cfg.divergence_check == "on"
         self._loss_sum = None
         self._overflows, self._loss_scale = None, None  # under dynamic loss scaling, read once per interval
 

@@ -133,6 +133,9 @@ def test_a_training_that_stopped_learning_is_a_divergence(longer_data, tmp_path,
     assert result.returncode == common.EXIT_DIVERGED, result.console[-3000:]
     assert re.search(message, result.console), result.console[-3000:]
     assert no_traceback(result, tmp_path / "out" / "logs")
+    # Every rank stops on the same gathered figures, at the same step: rank 1 names the same reason.
+    reason = re.search(r"training diverged: (.+?)\. (?:Start|Check) ", result.console).group(1)
+    assert f"rank 1 stops with the others: {reason}" in (tmp_path / "out" / "logs" / "worker_1.log").read_text()
     for name in ("summary.json", "model.ckpt", "model.mindir"):
         assert not (tmp_path / "out" / name).exists(), name
     client, runs = mlflow_runs(tmp_path)

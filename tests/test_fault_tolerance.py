@@ -97,24 +97,6 @@ def test_resumed_job_continues_its_mlflow_run_and_journal_holding_no_point_twice
     assert held == journaled and len(held) > 3 * 4096 // 32 // 8
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous(killed_then_resumed, longer_data, tmp_path):
-    cwd = tmp_path / "copy"  # the module's run stays whole for the other tests, whichever runs first
-    shutil.copytree(killed_then_resumed[0], cwd, ignore=shutil.ignore_patterns(".lock"))
-    newest = cwd / "out" / "checkpoints" / "epoch-0003.ckpt"
-    newest.chmod(0o600)
-    newest.write_bytes(newest.read_bytes()[:5000])  # as if the writer died half-way
-    result = subprocess.run([str(ROOT / "run.sh"), *job_args(longer_data, "--epochs", "4", "--tracking", "off")],
-                            cwd=cwd, env=job_env(WORKERS="2"), capture_output=True, text=True, timeout=600,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    worker0 = (cwd / "out" / "logs" / "worker_0.log").read_text()
-    assert "skipping checkpoint out/checkpoints/epoch-0003.ckpt" in worker0
-    assert "resuming from out/checkpoints/epoch-0002.ckpt: 2 of 4 epochs done" in worker0
-    summary = read_summary(cwd / "out")
-    assert summary["resumed_from_epoch"] == 2 and summary["replicas_identical"] is True
-    assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2, 3, 4]
-
-
 def test_exported_models_reproduce_the_jobs_accuracy(killed_then_resumed, longer_data):
     cwd, _, _ = killed_then_resumed
     summary = read_summary(cwd / "out")
@@ -193,13 +175,21 @@ def test_a_finished_directory_rerun_with_fewer_epochs_reports_the_model_it_holds
     assert summary["test_samples"] == trained["test_samples"] == 96
 
 
-def test_a_bit_flipped_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(finished, tiny_data, tmp_path):
-    def flip_a_bit(out):  # in the middle of the newest checkpoint: the file is whole, its content is not
-        flipped = bytearray((out / "checkpoints" / "epoch-0002.ckpt").read_bytes())
-        flipped[len(flipped) // 2] ^= 0x10
-        (out / "checkpoints" / "epoch-0002.ckpt").write_bytes(flipped)
+def flip_a_bit(checkpoint):  # in the middle: the file is whole, its content is not
+    flipped = bytearray(checkpoint.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x10
+    checkpoint.write_bytes(flipped)
 
-    result = rerun(finished, tiny_data, tmp_path, "--epochs", "4", "--keep-checkpoints", "2", damage=flip_a_bit)
+
+def truncate(checkpoint):  # as if its writer had died half-way
+    checkpoint.write_bytes(checkpoint.read_bytes()[:5000])
+
+
+@pytest.mark.parametrize("damage", [flip_a_bit, truncate])
+def test_a_damaged_newest_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(finished, tiny_data, tmp_path,
+                                                                                   damage):
+    result = rerun(finished, tiny_data, tmp_path, "--epochs", "4", "--keep-checkpoints", "2",
+                   damage=lambda out: damage(out / "checkpoints" / "epoch-0002.ckpt"))
     checkpoints = tmp_path / "out" / "checkpoints"
     assert result.returncode == 0, result.stderr[-3000:]
     assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in result.stderr

@@ -1,4 +1,4 @@
-"""Preemption without lost work, with real msrun and 2 CPU workers (and one process): step checkpoints, the
+"""Preemption without lost work, with real msrun and 2 CPU workers: step checkpoints, the
 checkpoint at a SIGTERM stop (run.sh as PID 1, as in a pod: every rank stops at one step, within the grace period,
 and the run is KILLED), a resume from the middle of an epoch that ends bit-identical to a training never
 interrupted, and each restart's cost in the same MLflow run."""
@@ -6,7 +6,6 @@ interrupted, and each restart's cost in the same MLflow run."""
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -24,47 +23,40 @@ def job_args(data_dir, *extra):
             "--checkpoint-steps", str(EVERY), *extra]
 
 
-def command(workers, args):
-    """2 workers through run.sh (msrun), as the image starts the job, in a PID namespace of its own so that a
-    kill -9 of its first process takes every process of the job with it, as losing the pod would; 1: main.py."""
-    if workers == 1:
-        return [sys.executable, str(ROOT / "main.py"), *args]
-    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", str(ROOT / "run.sh"), *args]
+def start(cwd, args):
+    """run.sh with 2 workers, as the image starts the job, in a PID namespace of its own so that a kill -9 of its
+    first process takes every process of the job with it, as losing the pod would. Its console goes to
+    cwd/console.log; returns the process and the log that rank 0 writes."""
+    job = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", str(ROOT / "run.sh"), *args],
+                           cwd=cwd, env=job_env(WORKERS="2"), stdout=subprocess.DEVNULL,
+                           stderr=(cwd / "console.log").open("w"))
+    return job, cwd / "out" / "logs" / "worker_0.log"
 
 
-def start(cwd, workers, args):
-    """The job, its console in cwd/console.log; returns the process and the log that rank 0 writes."""
-    job = subprocess.Popen(command(workers, args), cwd=cwd, env=job_env(WORKERS=str(workers)),
-                           stdout=subprocess.DEVNULL, stderr=(cwd / "console.log").open("w"))
-    return job, cwd / ("out/logs/worker_0.log" if workers > 1 else "console.log")
-
-
-def run(cwd, workers, args):
-    job, log = start(cwd, workers, args)
+def run(cwd, args):
+    job, log = start(cwd, args)
     assert job.wait(timeout=600) == 0, (cwd / "console.log").read_text()[-3000:]
     return read_summary(cwd / "out"), log.read_text()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(longer_data, tmp_path_factory):
-    """The weights' fingerprint of the same training never interrupted, for 1 and 2 workers."""
-    return {workers: run(tmp_path_factory.mktemp(f"whole{workers}"), workers,
-                         job_args(longer_data, "--tracking", "off"))[0]["weights_sha256"] for workers in (1, 2)}
+    """The weights' fingerprint of the same training never interrupted."""
+    return run(tmp_path_factory.mktemp("whole"), job_args(longer_data, "--tracking", "off"))[0]["weights_sha256"]
 
 
-# A kill -9 takes one process as it takes a job: the 2-worker case covers it.
-@pytest.mark.parametrize("how, workers", [("sigterm", 2), ("kill", 2), ("sigterm", 1)],
-                         ids=["sigterm-2-workers", "kill-9-2-workers", "sigterm-1-worker"])
+# One process stops by the same code as rank 0 (the StopRequest, then stop_early): the 2-worker runs cover it.
+@pytest.mark.parametrize("how", ["sigterm", "kill"], ids=["sigterm", "kill-9"])
 def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_cost(longer_data, tmp_path,
-                                                                                    uninterrupted, workers, how):
+                                                                                    uninterrupted, how):
     args = job_args(longer_data)
-    job, log = start(tmp_path, workers, args)
+    job, log = start(tmp_path, args)
     wait_for(log, r"epoch 2/2 \| step (40|48)/", job, timeout=300)
     signalled = time.monotonic()
     if how == "kill":
         job.kill()  # with 2 workers, unshare's PID namespace goes, and every process of the job with it
     else:  # to run.sh, as Kubernetes would signal its PID 1
-        (psutil.Process(job.pid).children()[0] if workers > 1 else job).send_signal(signal.SIGTERM)
+        psutil.Process(job.pid).children()[0].send_signal(signal.SIGTERM)
     status = job.wait(timeout=120)
     stopped_at, stopped_after = time.time(), time.monotonic() - signalled  # after the stopped job's last step
     stopped_log = log.read_text()
@@ -73,17 +65,17 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     checkpoints = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt"))
     assert len(checkpoints) <= 3, checkpoints  # --keep-checkpoints
     step_in_epoch = int(re.fullmatch(r"epoch-0002-step-(\d{6})\.ckpt", checkpoints[-1]).group(1))
-    resumed_step = 8192 // (16 * workers) + step_in_epoch  # the global step of the checkpoint resumed from
+    resumed_step = 8192 // (16 * 2) + step_in_epoch  # the global step of the checkpoint resumed from
     if how == "sigterm":
         assert status == 143, stopped_log[-3000:]
         # The ranks agree at a log interval (8 steps), and rank 0 checkpoints that very step: nothing is lost.
         assert step_in_epoch % 8 == 0 and last_step == resumed_step, (checkpoints, last_step)
         assert f"checkpoint out/checkpoints/{checkpoints[-1]} written, the next start resumes from it" in stopped_log
         assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
-        if workers > 1:  # rank 1 ended on its own at rank 0's step: as PID 1's exit the kernel would have killed it
-            stop = re.search(r"stopped by SIGTERM at step (\d+)", stopped_log).group(1)
-            worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
-            assert f"rank 1 stops with the others: stopped by SIGTERM at step {stop}" in worker1, worker1[-2000:]
+        # Rank 1 ended on its own at rank 0's step: as PID 1's exit the kernel would have killed it.
+        stop = re.search(r"stopped by SIGTERM at step (\d+)", stopped_log).group(1)
+        worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
+        assert f"rank 1 stops with the others: stopped by SIGTERM at step {stop}" in worker1, worker1[-2000:]
     else:
         assert status in (-signal.SIGKILL, 128 + signal.SIGKILL), stopped_log[-3000:]
         assert resumed_step % EVERY == 0, checkpoints
@@ -98,8 +90,8 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
 
     time.sleep(2)  # a gap the restart's cost must include
     rerun_at = time.time()
-    summary, resumed_log = run(tmp_path, workers, args)
-    assert summary["weights_sha256"] == uninterrupted[workers]
+    summary, resumed_log = run(tmp_path, args)
+    assert summary["weights_sha256"] == uninterrupted
     assert (summary["resumed_from_epoch"], summary["resumed_from_step"], summary["restarts"]) == (1, step_in_epoch, 1)
     assert (f"resuming from out/checkpoints/{checkpoints[-1]}: 1 of 2 epochs and {step_in_epoch} steps done"
             in resumed_log)

@@ -297,26 +297,6 @@ def sync(output_dir, url, timeout=300):
                           check=False)
 
 
-def test_a_server_restarted_mid_run_gets_the_whole_run(longer_data, tmp_path):
-    """Stopped after the first points, for longer than MLflow's own retries, then started again on the same
-    store and port: what waited goes out in order, and the run is complete."""
-    port, out = reserved_port(), tmp_path / "out"
-    # A loaded machine may take its minute to bring the server back: the job waits for it at its end.
-    args = tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32", "--tracking-wait", "300")
-    with mlflow_server(tmp_path, port=port) as (url, _):
-        job = start_job(tmp_path, args, url)
-        # Once the run exists: its thread may take seconds to create it while the workers hold both cores.
-        wait_for_log(out / "logs" / "worker_0.log", r"MLflow: run \w+", job)
-    time.sleep(6)  # down: MLflow's own retry gives up after a second or two
-    with mlflow_server(tmp_path, port=port) as (url, _):
-        console, _ = job.communicate(timeout=300)
-        assert job.returncode == 0, console[-3000:]
-        log = (out / "logs" / "worker_0.log").read_text()
-        assert "MLflow: cannot reach" in log and "answers again; sending what waited" in log
-        assert "Traceback" not in log and "ERROR" not in log
-        assert_complete(url, out, epochs=3, steps_per_epoch=256, interval=32)
-
-
 def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(tiny_data, tmp_path):
     """The cluster's usual case: data from --data-dir, no server answering. The job trains, waits at most
     --tracking-wait for the server at its end, exits 0 and leaves the journal; `sync` sends it later."""
@@ -341,7 +321,11 @@ def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(t
         assert_complete(url, out, epochs=2, steps_per_epoch=16, interval=2)
 
 
-def test_a_server_lost_mid_run_costs_a_bounded_wait(longer_data, tmp_path):
+def test_a_server_lost_mid_run_costs_a_bounded_wait_and_sync_sends_the_rest_once_it_returns(longer_data, tmp_path):
+    """Stopped once the run exists, for longer than MLflow's own retries: the job trains on, gives the server at
+    most --tracking-wait at its end and exits 0. `sync`, started while the server is still down, retries until
+    it is started again on the same store and port (the job's own sender retries by the same loop), then sends
+    what waited, in order: the run is complete."""
     port, out = reserved_port(), tmp_path / "out"
     args = tiny_args(longer_data, out, "--epochs", "2", "--log-interval", "32", "--tracking-wait", "5")
     with mlflow_server(tmp_path, port=port) as (url, _):
@@ -350,15 +334,23 @@ def test_a_server_lost_mid_run_costs_a_bounded_wait(longer_data, tmp_path):
     console, _ = job.communicate(timeout=300)
     assert job.returncode == 0, console[-3000:]
     log = (out / "logs" / "worker_0.log").read_text()
+    assert "MLflow: cannot reach" in log and "Traceback" not in log and "ERROR" not in log
     finished = re.search(r"(\d\d):(\d\d):(\d\d) rank0 INFO epoch 2/2 done", log)
     warned = re.search(r"(\d\d):(\d\d):(\d\d) rank0 WARNING MLflow: \S+ did not take the last \d+ operations "
                        r"within 5 s", log)
     assert finished and warned, log[-3000:]
     seconds = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in (finished.groups(), warned.groups())]
     assert seconds[1] - seconds[0] < 30, seconds  # the results, then 5 s for the server: not MLflow's minutes
-    with mlflow_server(tmp_path, port=port) as (url, _):
-        assert sync(out, url).returncode == 0
-        assert_complete(url, out, epochs=2, steps_per_epoch=256, interval=32)
+    sync_log = tmp_path / "sync.log"
+    with open(sync_log, "w", encoding="utf-8") as sync_stderr:
+        syncing = subprocess.Popen([sys.executable, "-m", "fmnist.tracking", "sync", str(out), "--timeout", "300"],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=sync_stderr, text=True,
+                                   env=job_env(MLFLOW_TRACKING_URI=url))
+        wait_for_log(sync_log, "MLflow: cannot reach", syncing)
+        with mlflow_server(tmp_path, port=port) as (url, _):
+            assert syncing.wait(timeout=300) == 0, sync_log.read_text()[-3000:]
+            assert "answers again; sending what waited" in sync_log.read_text()
+            assert_complete(url, out, epochs=2, steps_per_epoch=256, interval=32)
 
 
 def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):

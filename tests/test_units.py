@@ -308,8 +308,8 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     tracker = RecordingTracker()
     progress = monitor.Progress(steps_per_epoch=4)
-    training = monitor.TrainingMonitor(distributed.Collective(0, 0, 1), tracker, epochs=1, progress=progress,
-                                       global_batch=8, log_interval=2, laps=monitor.Laps())
+    cfg = settings.Config(epochs=1, batch_size=8, log_interval=2)
+    training = monitor.TrainingMonitor(cfg, distributed.Collective(0, 0, 1), tracker, progress, monitor.Laps(), 10)
     training.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
@@ -317,6 +317,19 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged():
     assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
         (2, 1, 32768.0), (4, 3, 16384.0)]
     assert progress.skipped_steps == 3
+
+
+def test_a_non_finite_loss_stops_training_even_with_the_divergence_check_off():
+    """The one check --divergence-check off keeps: an exploded but finite loss trains on, a NaN stops."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    cfg = settings.Config(epochs=1, batch_size=8, log_interval=2, lr=1e8, divergence_check="off")
+    training = monitor.TrainingMonitor(cfg, distributed.Collective(0, 0, 1), RecordingTracker(),
+                                       monitor.Progress(steps_per_epoch=4), monitor.Laps(), 10)
+    training.on_train_epoch_begin(None)
+    for loss in (1e30, 1e30, float("nan")):
+        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(loss, ms.float32), cur_epoch_num=1))
+    with pytest.raises(monitor.Diverged, match=r"training loss nan at step 4 \(epoch 1\)"):
+        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(1.0, ms.float32), cur_epoch_num=1))
 
 
 @pytest.mark.parametrize("variable, value, message", [
