@@ -175,9 +175,7 @@ def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_D
     problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
     if all(problem is None for problem in problems.values()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        # Two jobs sharing one data dir take turns; the second then finds verified files and does no I/O.
+    try:  # two jobs sharing one data dir take turns (the lock makes it); the second finds verified files
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
             for name, expected in checksums.items():

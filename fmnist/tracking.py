@@ -63,12 +63,9 @@ class Sender:
         """Send what waits, in order; True when nothing is left. Retries transient failures until stopping()."""
         pending = self.unsent()
         while pending:
-            batch = pending[:1]  # consecutive metric points go in one request, up to MLflow's 1000 values
-            while (len(batch) < len(pending) and {batch[0][1]["op"], pending[len(batch)][1]["op"]} == {"metrics"}
-                   and sum(len(line["values"]) for _, line in batch) < 900):
-                batch.append(pending[len(batch)])
+            offset, op = pending[0]
             try:
-                self.send([line for _, line in batch])
+                self.send(op)
             except Exception as exc:
                 kind = kind_of_failure(exc)
                 if kind == "transient":
@@ -80,25 +77,24 @@ class Sender:
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                if kind == "refused" and batch[0][1]["op"] == "start":
+                if kind == "refused" and op["op"] == "start":
                     self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
                     raise Refused(self.refused) from None
-                log.warning("MLflow: %d %s not logged, skipped: %s", len(batch), batch[0][1]["op"],
-                            common.first_line(exc))
+                log.warning("MLflow: %s not logged, skipped: %s", op["op"], common.first_line(exc))
             if self.failures:
                 log.info("MLflow: %s answers again; sending what waited", self.uri)
                 self.failures = 0
-            self.offset, pending = batch[-1][0], pending[len(batch):]
+            self.offset, pending = offset, pending[1:]
             state = json.dumps({"offset": self.offset, "run_id": self.run_id}).encode()
             common.write_atomic(self.position, state, sync=False)
         return True
 
-    def send(self, ops):
+    def send(self, op):
         from mlflow.entities import Metric
-        self.client, op = self.client or self.mlflow.MlflowClient(self.uri), ops[0]
+        self.client = self.client or self.mlflow.MlflowClient(self.uri)
         if op["op"] == "metrics":
-            self.client.log_batch(self.run_id, metrics=[Metric(key, value, line["timestamp"], line["step"])
-                                                        for line in ops for key, value in line["values"].items()])
+            self.client.log_batch(self.run_id, metrics=[Metric(key, value, op["timestamp"], op["step"])
+                                                        for key, value in op["values"].items()])
         elif op["op"] == "artifact":
             self.client.log_artifact(self.run_id, op["path"])
         elif op["op"] == "end":

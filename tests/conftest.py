@@ -59,10 +59,18 @@ def write_dataset(directory, seed=0, splits=None):
     return raw
 
 
+# The modules whose tests take longest go first and the quick ones last, so that the quick ones fill the
+# pytest-xdist workers' ends instead of one worker finishing a long test alone (docs/testing.md).
+LONGEST_FIRST = ("test_reliability", "test_own_network", "test_preemption", "test_tracking", "test_fault_tolerance",
+                 "test_job", "test_failures", "test_bad_input", "test_deploy", "test_data_fetch")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(items):
     """The tests reading one module-scoped job go to one pytest-xdist worker (`--dist loadgroup`, as make test
-    runs them): spread over two, each would run that job."""
+    runs them): spread over two, each would run that job. Modules run in LONGEST_FIRST's order, others after."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
     for item in items:
         fixtures = item._fixtureinfo.name2fixturedefs.values()  # pylint: disable=protected-access
         if any(definitions[-1].scope == "module" for definitions in fixtures):

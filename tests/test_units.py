@@ -389,7 +389,7 @@ def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
 
 
 def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, monkeypatch, caplog):
-    """A 403 on a metric batch (the run's permissions changed mid-run, say): one line, the batch skipped, the
+    """A 403 on metric points (the run's permissions changed mid-run, say): one line, the points skipped, the
     position past it, and the rest of the journal sent."""
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED  # pylint: disable=import-outside-toplevel
@@ -398,16 +398,16 @@ def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, 
     journal.append("end", status="FINISHED")
     tried = []
 
-    def send(self, ops):
-        tried.append(ops[0]["op"])
-        if ops[0]["op"] == "metrics":
+    def send(self, op):
+        tried.append(op["op"])
+        if op["op"] == "metrics":
             raise MlflowException("not allowed to log to this run", error_code=PERMISSION_DENIED)  # HTTP 403
 
     monkeypatch.setattr(tracking.Sender, "send", send)
     with caplog.at_level("WARNING", logger=common.log.name):
         assert tracking.Sender(tmp_path).send_unsent(stopping=lambda: len(tried) > 3) is True  # retried: False
-    assert tried == ["metrics", "end"]  # the refused batch once: a refusal is not retried
+    assert tried == ["metrics", "end"]  # the refused points once: a refusal is not retried
     warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
-    assert len(warnings) == 1 and "1 metrics not logged, skipped" in warnings[0], warnings
+    assert len(warnings) == 1 and "metrics not logged, skipped" in warnings[0], warnings
     assert "not allowed to log to this run" in warnings[0]
     assert f'"offset": {journal.path.stat().st_size}' in (tmp_path / tracking.POSITION).read_text()
