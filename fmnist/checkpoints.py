@@ -103,10 +103,7 @@ def load_latest_checkpoint(directory, train_network, current):
             raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
                                     f"{'; '.join(conflicts)}. Start fresh with --resume never, or give another "
                                     "--output-dir")
-        missing, _ = ms.load_param_into_net(train_network, params)
-        if missing:  # same shapes recorded, yet not these parameters: a damaged checkpoint
-            raise common.UsageError(f"cannot resume from {path}: it lacks {len(missing)} parameters, such as "
-                                    f"{missing[0]}; start fresh with --resume never")
+        ms.load_param_into_net(train_network, params)  # its parameters are these: their names and shapes match
         return Resumed(path, Position(meta["epoch"], meta["step"]), meta["restarts"], meta["history"],
                        [tuple(p) for p in meta["loss_points"]])
     return None

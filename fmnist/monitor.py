@@ -77,8 +77,7 @@ class TrainingMonitor(Callback):
         # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
         self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
         self.check_learning = cfg.divergence_check == "on"
-        self._loss_sum = None
-        self._overflows, self._loss_scale = None, None  # under dynamic loss scaling, read once per interval
+        self._loss_sum = self._overflows = self._loss_scale = None  # the last two under dynamic loss scaling
 
     def on_train_epoch_begin(self, run_context):
         self._epoch_start = self._interval_start = time.perf_counter()

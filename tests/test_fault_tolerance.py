@@ -188,10 +188,13 @@ def truncate(checkpoint):  # as if its writer had died half-way
 @pytest.mark.parametrize("damage", [flip_a_bit, truncate])
 def test_a_damaged_newest_checkpoint_is_skipped_and_a_rerun_keeps_only_the_newest(finished, tiny_data, tmp_path,
                                                                                    damage):
-    result = rerun(finished, tiny_data, tmp_path, "--epochs", "4", "--keep-checkpoints", "2",
-                   damage=lambda out: damage(out / "checkpoints" / "epoch-0002.ckpt"))
+    """And the settings free to change on resume change: more epochs, another log interval, tracking."""
+    result = rerun(finished, tiny_data, tmp_path, "--epochs", "4", "--keep-checkpoints", "2", "--log-interval", "3",
+                   "--tracking", "offline", damage=lambda out: damage(out / "checkpoints" / "epoch-0002.ckpt"))
     checkpoints = tmp_path / "out" / "checkpoints"
     assert result.returncode == 0, result.stderr[-3000:]
+    # Every 3rd global step from the 16 of epoch 1: 18, the second of epoch 2.
+    assert (tmp_path / "out" / tracking.JOURNAL).exists() and "epoch 2/4 | step 2/16 |" in result.stderr
     assert "skipping checkpoint out/checkpoints/epoch-0002.ckpt" in result.stderr
     assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 4 epochs done" in result.stderr
     assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch-0003.ckpt", "epoch-0004.ckpt"]

@@ -31,7 +31,7 @@ def mlflow_run(cwd, run_id):
 # --- resume
 
 
-def test_resume_refuses_other_settings_and_world_size_and_allows_the_free_ones(tiny_data, tmp_path):
+def test_resume_refuses_other_settings_and_world_size(tiny_data, tmp_path):
     first = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"))
     assert first.returncode == 0, first.logs
     changed = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
@@ -43,12 +43,7 @@ def test_resume_refuses_other_settings_and_world_size_and_allows_the_free_ones(t
                        "--resume never"):
         assert difference in error[0], (difference, error[0])
     assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
-    # More epochs, another log interval and tracking are free to change: the same 2 workers resume.
-    resumed = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
-                                            "--log-interval", "3"))
-    assert resumed.returncode == 0, resumed.logs
-    assert "resuming from" in resumed.logs["worker_0.log"]
-    assert read_summary(tmp_path / "out")["resumed_from_epoch"] == 1
+    # The settings free to change (more epochs, another log interval, tracking) resume: test_fault_tolerance.py.
 
 
 def test_checkpoint_of_an_older_job_version_is_refused(tiny_data, tmp_path):
