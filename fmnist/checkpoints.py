@@ -176,5 +176,5 @@ class CheckpointSaver(Callback):
         save_checkpoint(train_network, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()
-        self.mark()  # a stop's checkpoint is its newest step
+        self.mark()  # the step saved is the newest trained: a stop loses none
         self.save_s.append(time.perf_counter() - started)
