@@ -29,9 +29,6 @@ def export_mindir(net, path):
 def load_model(path):
     """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else UsageError."""
     path = Path(path)
-    if not path.is_file():
-        raise common.UsageError(f"--predict {path}: no such file; give a model.ckpt or model.mindir from a "
-                                "finished job")
     try:
         if path.suffix == ".mindir":
             return nn.GraphCell(ms.load(str(path)))

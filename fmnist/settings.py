@@ -123,6 +123,9 @@ def parse_config(argv=None):
             raise common.UsageError(f"{flag(f)} {problem}, got {value!r} (flag or {variable(f)})")
     if cfg.register_model and cfg.tracking == "off":
         raise common.UsageError("--register-model needs tracking: drop --tracking off, or the registration")
+    if cfg.predict and not Path(cfg.predict).is_file():
+        raise common.UsageError(f"--predict {cfg.predict}: no such file; give a model.ckpt or model.mindir from a "
+                                "finished job")
     return cfg
 
 

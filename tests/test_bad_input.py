@@ -39,7 +39,7 @@ BAD_INPUTS = [
     ("missing-checksums-file", ["--checksums-file", "nowhere"], {}, "--checksums-file nowhere: cannot read it", True),
     ("dynamic-loss-scaling-on-cpu", ["--loss-scale", "dynamic"], {}, "no dynamic loss scaling on CPU", True),
     ("corrupt-file-in-the-data-dir", ["--data-dir", "corrupt"], {}, "cannot obtain train-images-idx3-ubyte", False),
-    ("missing-model-to-predict", ["--predict", "missing.ckpt"], {}, "--predict missing.ckpt: no such file", False),
+    ("missing-model-to-predict", ["--predict", "missing.ckpt"], {}, "--predict missing.ckpt: no such file", True),
 ]
 
 
