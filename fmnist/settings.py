@@ -4,6 +4,7 @@ fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun, without M
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,8 +17,15 @@ AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
 POSITIVE = (lambda value: value > 0, "must be positive")
 NON_NEGATIVE = (lambda value: value >= 0, "must be >= 0")
 BELOW_ONE = (lambda value: 0 <= value < 1, "must be in [0, 1)")
-LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or (
-    value.replace(".", "", 1).isdigit() and float(value) > 0), "must be auto, none, dynamic or a positive number")
+LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_number(value),
+              "must be auto, none, dynamic or a positive number")
+
+
+def is_positive_number(text):  # as float() reads it: 1024, 0.5 and 1e3 are; 0, inf, nan and ² are not
+    try:
+        return 0 < float(text) < math.inf
+    except ValueError:
+        return False
 
 
 def setting(default, help, env="", choices=(), check=None, course=False):  # noqa: A002 (argparse's word)

@@ -281,9 +281,15 @@ def test_dynamic_loss_scaling_is_refused_on_cpu_in_one_line(capsys):
     assert err.count("\n") == 0 and "no dynamic loss scaling on CPU" in err and "--loss-scale none" in err
 
 
-def test_loss_scale_must_be_a_mode_or_a_positive_number():
+@pytest.mark.parametrize("value", ["-8", "0", "inf", "nan", "²", "x"])
+def test_loss_scale_must_be_a_mode_or_a_positive_number(value):
     with pytest.raises(common.UsageError, match="--loss-scale must be"):
-        settings.parse_config(["--loss-scale", "-8"])
+        settings.parse_config(["--loss-scale", value])
+
+
+def test_a_fixed_loss_scale_is_any_positive_number():
+    assert [settings.parse_config(["--loss-scale", v]).loss_scale for v in ("1024", "0.5", "1e3")] == [
+        "1024", "0.5", "1e3"]
 
 
 class FakeRunContext:
