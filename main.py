@@ -1,12 +1,7 @@
-"""Data-parallel LeNet on Fashion-MNIST with MindSpore, launched by msrun and tracked in MLflow.
-
-    python main.py                                                        # one process
-    msrun --worker_num=2 --local_worker_num=2 --join=True python main.py  # two data-parallel workers
-    ./run.sh                                                              # msrun with workers detected
-
-The same file runs on Ascend NPUs (HCCL) and on CPU (MindSpore's own collective); every setting is a flag and
-a variable (`python main.py --help`). main() is the pipeline, one function per stage, over fmnist/.
-"""
+"""Data-parallel LeNet on Fashion-MNIST with MindSpore, launched by msrun and tracked in MLflow: `python main.py`
+alone, `msrun --worker_num=2 --local_worker_num=2 --join=True python main.py`, or ./run.sh. The same file runs on
+Ascend NPUs (HCCL) and on CPU (MindSpore's own collective); every setting is a flag and a variable (--help).
+main() is the pipeline, one function per stage, over fmnist/."""
 
 import dataclasses
 import functools
@@ -96,8 +91,7 @@ def main(argv=None) -> int:
 def join_job(cfg):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU."""
     device_name = distributed.resolve_device(cfg.device)
-    amp_level = settings.resolve_amp(cfg.amp, device_name)
-    loss_scaling = settings.resolve_loss_scale(cfg.loss_scale, amp_level, device_name)
+    amp_level, loss_scaling = settings.resolve_precision(cfg.amp, cfg.loss_scale, device_name)
     isa_cap = distributed.cap_onednn_isa() if device_name == "CPU" else None
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device_name)
@@ -218,8 +212,8 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         checkpoints.checkpoint_path(saver.directory, progress.position))
         else:
-            log.error("training diverged: %s. %s; no final model was written, the checkpoints of the good epochs "
-                      "stay in %s", exc, exc.advice(job.cfg.lr), saver.directory)
+            log.error("training diverged: %s; no final model was written, the checkpoints of the good epochs stay "
+                      "in %s", exc, saver.directory)
         job.collective.wait_for(finish if is_main else None)  # the others wait for rank 0's tracking
     except common.DiskFull as full:  # its message says that the next start resumes
         return stop_early(job, full, trainer, progress, saver, tracker)

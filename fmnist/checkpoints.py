@@ -54,16 +54,14 @@ def checkpoint_path(directory, position):
     return Path(directory) / f"epoch-{position.epoch + 1:04d}-step-{position.step:06d}.ckpt"
 
 
-def position_of(path):
-    if match := NAME.fullmatch(Path(path).name):
-        epoch, step = int(match[1]), int(match[2] or 0)
-        return Position(epoch - 1, step) if step else Position(epoch)
-    return None
-
-
 def newest_first(directory):
-    found = {path: position_of(path) for path in Path(directory).glob("epoch-*.ckpt")}
-    return sorted((path for path, position in found.items() if position), key=found.get, reverse=True)
+    """The checkpoints in `directory`, the furthest in the training first; other files are ignored."""
+    found = {}
+    for path in Path(directory).glob("epoch-*.ckpt"):
+        if match := NAME.fullmatch(path.name):
+            epoch, step = int(match[1]), int(match[2] or 0)
+            found[path] = Position(epoch - 1, step) if step else Position(epoch)
+    return sorted(found, key=found.get, reverse=True)
 
 
 def trajectory(cfg, resolved, train_network):

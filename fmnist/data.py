@@ -95,10 +95,15 @@ class ShardBatches:
 
 
 def shard(splits, batch_size, rank, world_size, seed):
-    """This rank's disjoint share of every training epoch, and its disjoint slice of the test set."""
+    """This rank's disjoint share of every training epoch, and its test samples, every world_size-th from `rank` on
+    (the framework's sampler pads shards to equal length by repeating samples, which would count some twice)."""
     shards = ShardBatches(to_model_input(splits.train.images), one_hot(splits.train.labels), batch_size, rank,
                           world_size, seed)
-    return shards, eval_dataset(splits.test, batch_size, rank, world_size)
+    mine = slice(rank, None, world_size)
+    images, labels = to_model_input(splits.test.images[mine]), one_hot(splits.test.labels[mine])
+    batches = [(images[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(images), batch_size)]
+    return shards, ms.dataset.GeneratorDataset(batches, column_names=["image", "label"], shuffle=False,
+                                               python_multiprocessing=False)
 
 
 def train_dataset(shards, epoch=0, skip=0):
@@ -107,14 +112,4 @@ def train_dataset(shards, epoch=0, skip=0):
     shards = copy.copy(shards)  # each dataset counts its own epochs
     shards.epoch, shards.skip = epoch, skip
     return ms.dataset.GeneratorDataset(shards, column_names=["image", "label"], shuffle=False,
-                                       python_multiprocessing=False)
-
-
-def eval_dataset(split, batch_size, rank, world_size):
-    """Every world_size-th test sample from `rank` on: each sample is one rank's (the framework's sampler pads
-    shards to equal length by repeating samples, which would count some twice)."""
-    shard = slice(rank, None, world_size)
-    images, labels = to_model_input(split.images[shard]), one_hot(split.labels[shard])
-    batches = [(images[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, len(images), batch_size)]
-    return ms.dataset.GeneratorDataset(batches, column_names=["image", "label"], shuffle=False,
                                        python_multiprocessing=False)

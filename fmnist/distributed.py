@@ -144,18 +144,13 @@ class Collective:
         return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
 
 
-def weights_fingerprint(net):
-    """SHA-256 of every parameter's bytes in a fixed order, as 8 int32 for a collective."""
+def replicas_identical(collective, net):
+    """Whether every rank ends with bit-identical weights, and each rank's fingerprint: the SHA-256 of every
+    parameter's name and bytes in name order, as 8 int32 for the gather. A collective."""
     digest = hashlib.sha256()
     for param in sorted(net.trainable_params(), key=lambda p: p.name):
-        digest.update(param.name.encode())
-        digest.update(param.asnumpy().tobytes())
-    return np.frombuffer(digest.digest(), dtype=np.int32)
-
-
-def replicas_identical(collective, net):
-    """Whether every rank ends with bit-identical weights, and each rank's fingerprint. A collective."""
-    fingerprints = collective.all_gather(weights_fingerprint(net))
+        digest.update(param.name.encode() + param.asnumpy().tobytes())
+    fingerprints = collective.all_gather(np.frombuffer(digest.digest(), dtype=np.int32))
     return bool((fingerprints == fingerprints[0]).all()), fingerprints
 
 

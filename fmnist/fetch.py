@@ -86,10 +86,6 @@ def local_copy(directory, name):
     return next((p for p in (Path(directory) / f"{name}.gz", Path(directory) / name) if p.is_file()), None)
 
 
-class TooSlow(ValueError):
-    """A transfer that trickles or outlasts its deadline: not retried, as another attempt would do the same."""
-
-
 def receive(url, response, timeout, deadline, say):
     """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
     total = int(response.headers.get("Content-Length") or 0)
@@ -106,11 +102,11 @@ def receive(url, response, timeout, deadline, say):
         if size > DOWNLOAD_MAX_BYTES:
             raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
         if elapsed > deadline:
-            raise TooSlow(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
-                          f"{deadline:g}")
+            raise ValueError(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
+                             f"{deadline:g}")
         if elapsed > timeout and rate < DOWNLOAD_MIN_BYTES_PER_S:
-            raise TooSlow(f"{url}: {rate:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
-                          f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
+            raise ValueError(f"{url}: {rate:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
+                             f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
         if now - shown >= PROGRESS_S:
             shown = now
             left = f", {common.duration((total - size) / rate)} left" if total else ""
@@ -122,7 +118,8 @@ def receive(url, response, timeout, deadline, say):
 
 def download(url, timeout, say=print, deadline=600.0):
     """The bytes at `url`: `timeout` per read, `deadline` in all, DOWNLOAD_RETRIES attempts at transient failures
-    (urllib3's Retry covers the request, not a body cut half-way: one loop does both)."""
+    (urllib3's Retry covers the request, not a body cut half-way: one loop does both). A ValueError (over the cap,
+    a trickle, past the deadline) is not retried: another attempt would do the same."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) mirrors only)
@@ -172,15 +169,13 @@ def problem_with_copy(data_dir, name, expected):
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """The four verified IDX files in data_dir, with no request when they are there; {name: where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
-    problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
-    if all(problem is None for problem in problems.values()):
+    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:  # two jobs sharing one data dir take turns (the lock makes it); the second finds verified files
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
             for name, expected in checksums.items():
-                # A verified copy is hashed once; the others again: another job may have fetched them meanwhile.
-                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
+                problem = problem_with_copy(data_dir, name, expected)  # again: another job may have fetched it
                 if problem:
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(

@@ -22,17 +22,7 @@ EXPLODED, JUDGED_AFTER_STEPS, CHANCE_MARGIN, UNTRAINED_LOSS_MARGIN = 10, 200, 1.
 
 
 class Diverged(Exception):
-    """The training stopped learning: a non-finite or exploded loss, or no better than chance."""
-
-    def __init__(self, message, exploded=True):
-        super().__init__(message)
-        self.exploded = exploded
-
-    def advice(self, lr):
-        if self.exploded:
-            return f"Start again with a lower --lr (now {lr:g}) and --resume never"
-        return (f"Check --lr (now {lr:g}: lower if the loss exploded before, higher if it barely moved), then start "
-                "again with --resume never; --divergence-check off trains on regardless")
+    """The training stopped learning: a non-finite or exploded loss, or no better than chance. Its message advises."""
 
 
 @dataclasses.dataclass
@@ -76,7 +66,7 @@ class TrainingMonitor(Callback):
         self.global_batch, self.log_interval, self.laps = cfg.batch_size * collective.world_size, cfg.log_interval, laps
         # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
         self.untrained_loss, self.chance = math.log(num_classes), 1 / num_classes
-        self.check_learning = cfg.divergence_check == "on"
+        self.check_learning, self.lr = cfg.divergence_check == "on", cfg.lr
         self._loss_sum = self._overflows = self._loss_scale = None  # the last two under dynamic loss scaling
 
     def on_train_epoch_begin(self, run_context):
@@ -114,10 +104,10 @@ class TrainingMonitor(Callback):
         per_rank, stop_signals = gathered[:, 0], gathered[:, 1]
         self._loss_sum = None
         if not np.isfinite(per_rank).all():
-            raise Diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
+            raise self.diverged(f"training loss {per_rank.mean()} at step {step} (epoch {cb.cur_epoch_num})")
         if self.check_learning and per_rank.mean() > EXPLODED * self.untrained_loss:
-            raise Diverged(f"training loss {per_rank.mean():.4g} at step {step} (epoch {cb.cur_epoch_num}), over "
-                           f"{EXPLODED} times the {self.untrained_loss:.2f} of an untrained network")
+            raise self.diverged(f"training loss {per_rank.mean():.4g} at step {step} (epoch {cb.cur_epoch_num}), "
+                                f"over {EXPLODED} times the {self.untrained_loss:.2f} of an untrained network")
         # At an epoch's last step the stop waits for the epoch's end: its validation belongs in the checkpoint.
         if stop_signals.any() and self.progress.position.step < self.steps_per_epoch:
             raise distributed.Terminated(int(stop_signals.max()), step)
@@ -154,13 +144,13 @@ class TrainingMonitor(Callback):
         self.progress.position = checkpoints.Position(epoch)
         steps = self.progress.position.global_step(self.steps_per_epoch)
         if not math.isfinite(figures["val_loss"]):
-            raise Diverged(f"validation loss {figures['val_loss']} after epoch {epoch} (step {steps})")
+            raise self.diverged(f"validation loss {figures['val_loss']} after epoch {epoch} (step {steps})")
         if self.check_learning and steps >= JUDGED_AFTER_STEPS and (
                 figures["val_accuracy"] <= CHANCE_MARGIN * self.chance
                 or figures["val_loss"] >= UNTRAINED_LOSS_MARGIN * self.untrained_loss):
-            raise Diverged(f"not learning: after epoch {epoch} ({steps} steps) the validation accuracy is "
-                           f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
-                           f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)
+            raise self.diverged(f"not learning: after epoch {epoch} ({steps} steps) the validation accuracy is "
+                                f"{figures['val_accuracy']:.4f} and the loss {figures['val_loss']:.4f}, against "
+                                f"{self.chance:.2f} and {self.untrained_loss:.2f} for guessing", exploded=False)
         self.progress.history.append(figures)
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | val_accuracy "
@@ -173,3 +163,9 @@ class TrainingMonitor(Callback):
         stop_signals = self.collective.all_gather(np.array([self.stop.signum]))
         if stop_signals.any():
             raise distributed.Terminated(int(stop_signals.max()), steps)
+
+    def diverged(self, what, exploded=True):
+        advice = (f"Start again with a lower --lr (now {self.lr:g}) and --resume never" if exploded else
+                  f"Check --lr (now {self.lr:g}: lower if the loss exploded before, higher if it barely moved), then "
+                  "start again with --resume never; --divergence-check off trains on regardless")
+        return Diverged(f"{what}. {advice}")

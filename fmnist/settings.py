@@ -137,19 +137,16 @@ def parse_config(argv=None):
     return cfg
 
 
-def resolve_amp(amp, device):
-    # float16 pays off on Ascend's cube units; on CPU it only adds casts.
-    return amp if amp != "auto" else "O2" if device == "Ascend" else "O0"
-
-
-def resolve_loss_scale(loss_scale, amp_level, device):
-    """"none", "dynamic" or "fixed:<scale>"; auto is MindSpore's default on Ascend (dynamic for O2), else none."""
+def resolve_precision(amp, loss_scale, device):
+    """(amp level, loss scaling) on `device`: amp auto is O2 on Ascend (float16 pays off on its cube units, and only
+    adds casts on CPU), else O0; loss scaling auto is MindSpore's default (dynamic for O2 on Ascend), else none."""
+    amp_level = amp if amp != "auto" else "O2" if device == "Ascend" else "O0"
     if loss_scale == "auto":
-        return "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
+        return amp_level, "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
     if loss_scale == "dynamic" and device == "CPU":
         raise common.UsageError("--loss-scale dynamic: MindSpore supports no dynamic loss scaling on CPU; use "
                                 "--loss-scale none or a fixed scale such as --loss-scale 1024")
-    return loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
+    return amp_level, loss_scale if loss_scale in ("none", "dynamic") else f"fixed:{float(loss_scale):g}"
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
@@ -190,8 +187,7 @@ def main(argv):
         checksums = fetch.load_checksums(cfg.checksums_file)
         if cfg.loss_scale == "dynamic":  # the one setting the device decides on, the one check needing MindSpore
             from . import distributed
-            target = distributed.resolve_device(cfg.device)
-            resolve_loss_scale(cfg.loss_scale, resolve_amp(cfg.amp, target), target)
+            resolve_precision(cfg.amp, cfg.loss_scale, distributed.resolve_device(cfg.device))
         if os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job writes there, and holds its lock
             common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
         counts = data_counts(cfg.data_dir, checksums)

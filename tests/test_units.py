@@ -147,9 +147,9 @@ def test_main_reports_bad_setting_in_one_line(capsys):
 
 
 def test_amp_auto_is_o2_on_ascend_only():
-    assert settings.resolve_amp("auto", "Ascend") == "O2"
-    assert settings.resolve_amp("auto", "CPU") == "O0"
-    assert settings.resolve_amp("O1", "CPU") == "O1"
+    assert settings.resolve_precision("auto", "none", "Ascend")[0] == "O2"
+    assert settings.resolve_precision("auto", "none", "CPU")[0] == "O0"
+    assert settings.resolve_precision("O1", "none", "CPU")[0] == "O1"
 
 
 def test_checksums_file_must_cover_all_four_files(tmp_path):
@@ -178,11 +178,12 @@ def test_lenet_is_the_articles_layers_and_parameter_count():
 
 
 def test_weights_fingerprint_changes_with_any_weight():
-    net = model.LeNet()
-    before = distributed.weights_fingerprint(net)
+    net, alone = model.LeNet(), distributed.Collective(0, 0, 1)
+    identical, before = distributed.replicas_identical(alone, net)
     param = net.trainable_params()[-1]
     param.set_data(param + 1e-6)
-    assert before.dtype == np.int32 and not np.array_equal(before, distributed.weights_fingerprint(net))
+    assert identical and before.dtype == np.int32
+    assert not np.array_equal(before, distributed.replicas_identical(alone, net)[1])
 
 
 def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
@@ -272,7 +273,7 @@ def test_cpu_description_reads_model_and_isa_flags(tmp_path):
     ("dynamic", "O3", "Ascend", "dynamic"),
 ])
 def test_loss_scaling_resolves_per_level_and_device(requested, amp, device, expected):
-    assert settings.resolve_loss_scale(requested, amp, device) == expected
+    assert settings.resolve_precision(amp, requested, device) == (amp, expected)
 
 
 def test_dynamic_loss_scaling_is_refused_on_cpu_in_one_line(capsys):
@@ -351,14 +352,15 @@ def test_choices_are_checked_for_values_from_the_environment(monkeypatch, variab
     assert str(error.value) == message
 
 
-def test_checkpoint_names_sort_as_the_training_went():
+def test_checkpoint_names_sort_as_the_training_went(tmp_path):
     Position = checkpoints.Position
     positions = [Position(1), Position(1, 16), Position(1, 200), Position(2), Position(2, 5)]
-    names = [checkpoints.checkpoint_path("d", p).name for p in positions]
-    assert names == ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt",
-                     "epoch-0002.ckpt", "epoch-0003-step-000005.ckpt"]
-    assert [checkpoints.position_of(name) for name in names] == positions
-    assert checkpoints.position_of("last-step") is None and Position(1, 16).global_step(256) == 272
+    paths = [checkpoints.checkpoint_path(tmp_path, p) for p in positions]
+    assert [path.name for path in paths] == ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt",
+                                             "epoch-0002.ckpt", "epoch-0003-step-000005.ckpt"]
+    for path in reversed(paths):  # made in the reverse order, so that no time order helps
+        path.touch()
+    assert checkpoints.newest_first(tmp_path) == paths[::-1] and Position(1, 16).global_step(256) == 272
 
 
 def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
