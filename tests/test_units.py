@@ -356,8 +356,9 @@ def test_checkpoint_names_sort_as_the_training_went(tmp_path):
     Position = checkpoints.Position
     positions = [Position(1), Position(1, 16), Position(1, 200), Position(2), Position(2, 5)]
     paths = [checkpoints.checkpoint_path(tmp_path, p) for p in positions]
-    assert [path.name for path in paths] == ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt",
-                                             "epoch-0002.ckpt", "epoch-0003-step-000005.ckpt"]
+    names = ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt", "epoch-0002.ckpt",
+             "epoch-0003-step-000005.ckpt"]
+    assert [path.name for path in paths] == names
     for path in reversed(paths):  # made in the reverse order, so that no time order helps
         path.touch()
     assert checkpoints.newest_first(tmp_path) == paths[::-1] and Position(1, 16).global_step(256) == 272
