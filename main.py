@@ -183,7 +183,7 @@ def start_tracking(job, resumed, splits, sources):
         if os.environ.get("GIT_COMMIT"):  # an image has no .git for MLflow's git context to read; its build says
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
 
-        def start():  # a refusal is tracking.Refused, a UsageError
+        def start():  # a refusal is a UsageError
             tracker.start(cfg.experiment, cfg.run_name, params, tags,
                           tracking.dataset_entities(splits, job.checksums, sources), continues=resumed is not None)
     collective.wait_for(start if collective.is_main else None)
@@ -225,11 +225,9 @@ def stop_early(job, exc, trainer, progress, saver, tracker):
 def report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, start):
     """The results, measured on every rank (gathers) and written by rank 0; exit 1 if the replicas differ."""
     cfg, collective = job.cfg, job.collective
-    history = progress.history
-    final = {"accuracy": history[-1]["val_accuracy"], "loss": history[-1]["val_loss"], "confusion": progress.confusion}
-    if progress.confusion is None:  # all trained before this run, maybe more epochs than asked: measure the model
-        final = trainer.eval(test_ds, dataset_sink_mode=False)["test"]
-    progress.confusion = final["confusion"]
+    history = progress.history  # its last epoch's validation is the model's: nothing trains after it
+    if progress.confusion is None:  # all trained before this run, maybe more epochs than asked: measure it again
+        progress.confusion = trainer.eval(test_ds, dataset_sink_mode=False)["test"]["confusion"]
     identical, fingerprints = distributed.replicas_identical(collective, net)
     peak_rss_mb = collective.all_gather(np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if not collective.is_main:
@@ -245,8 +243,8 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, s
         "device": job.device, "world_size": collective.world_size, "amp_level": job.amp_level,
         "loss_scaling": job.loss_scaling, **precision, "cpu": job.cpu,
         "epochs": len(history), "global_batch_size": cfg.batch_size * collective.world_size,
-        "test_accuracy": float(final["accuracy"]), "test_loss": float(final["loss"]),
-        "test_samples": int(final["confusion"].sum()),
+        "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
+        "test_samples": int(progress.confusion.sum()),
         "train_samples_per_s": sum(e["train_samples_per_s"] * e["train_s"] for e in history) / train_s,
         "first_step_s": progress.first_step_s, "first_step_at": progress.first_step_at,
         "startup_phases_s": laps.laps, "wall_s": time.perf_counter() - laps.started, "replicas_identical": identical,
@@ -257,8 +255,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, s
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
     }
     outputs.write_all(cfg.output_dir, net, splits, progress, summary, cfg.seed, tracker, cfg.register_model)
-    tracker.log_metrics({"wall_s": summary["wall_s"], "test_accuracy": summary["test_accuracy"],
-                         "test_loss": summary["test_loss"]}, step=len(history))
+    tracker.log_metrics({key: summary[key] for key in ("wall_s", "test_accuracy", "test_loss")}, step=len(history))
     tracker.finish("FINISHED" if identical else "FAILED")
     log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s", summary["test_accuracy"],
              summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}", summary["wall_s"],

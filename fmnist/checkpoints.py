@@ -131,11 +131,6 @@ class CheckpointSaver(Callback):
         self.resumed, self.restarts = resumed, resumed.restarts + 1 if resumed else 0  # this start's number
         self.save_s = []  # each save's time, seconds
         self.directory.mkdir(parents=True, exist_ok=True)
-        try:  # (global step, wall-clock time) of the stopped job's newest step
-            step, when = (self.directory / RECORD).read_text().split()
-            self.last_step = int(step), float(when)
-        except (OSError, ValueError):
-            self.last_step = None
         self._record = os.open(self.directory / RECORD, os.O_WRONLY | os.O_CREAT, 0o644)
 
     def on_train_step_end(self, run_context):
@@ -157,13 +152,15 @@ class CheckpointSaver(Callback):
 
     def log_restart_cost(self, step):
         # Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now.
-        last = self.last_step
-        resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
-        cost = {"restarts": self.restarts, "restart_steps_lost": max(0, last[0] - resumed_step) if last else 0}
-        if last:
-            cost["restart_total_s"] = time.time() - last[1]
-        log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts,
-                 cost["restart_steps_lost"], f"{cost['restart_total_s']:.1f} s" if last else "an unknown time")
+        cost = {"restarts": self.restarts, "restart_steps_lost": 0}
+        try:  # the stopped job's newest step and its time, before this job's first step overwrites them
+            last_step, when = (self.directory / RECORD).read_text().split()
+            cost.update(restart_steps_lost=max(0, int(last_step) - self.resumed.position.global_step(
+                self.progress.steps_per_epoch)), restart_total_s=time.time() - float(when))
+        except (OSError, ValueError):
+            pass
+        log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts, cost["restart_steps_lost"],
+                 f"{cost['restart_total_s']:.1f} s" if "restart_total_s" in cost else "an unknown time")
         self.tracker.log_metrics(cost, step=step)
 
     def save(self, train_network, position):

@@ -62,11 +62,9 @@ def load_checksums(path):
         lines = Path(path).read_text().split("\n")
     except OSError as exc:
         raise common.UsageError(f"--checksums-file {path}: cannot read it ({exc.strerror})") from None
-    sums = {}
-    for digest, _, name in (line.strip().partition(" ") for line in lines if line.strip()):
-        sums[name.strip().lstrip("*").removesuffix(".gz")] = digest.lower()
-    missing = sorted(set(FASHION_MNIST_SHA256) - set(sums))
-    if missing:
+    sums = {name.strip().lstrip("*").removesuffix(".gz"): digest.lower()
+            for digest, _, name in (line.strip().partition(" ") for line in lines if line.strip())}
+    if missing := sorted(set(FASHION_MNIST_SHA256) - set(sums)):
         raise common.UsageError(f"--checksums-file {path}: no checksum for {', '.join(missing)}; "
                                 "write one line '<sha256>  <file name>' per IDX file")
     return sums

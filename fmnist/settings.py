@@ -57,10 +57,8 @@ class Config:
                                 "after local copies; empty: never download")
     checksums_file: str = setting("", "sha256sum-style file replacing the pinned checksums of the four IDX files "
                                   "(to train on another IDX dataset)")
-    download_timeout: float = setting(30.0, "seconds without progress before a download attempt is abandoned",
-                                      check=POSITIVE)
-    download_deadline: float = setting(600.0, "seconds one file's download may take in all, whatever its "
-                                       "progress", check=POSITIVE)
+    download_timeout: float = setting(30.0, "seconds without progress before a download is abandoned", check=POSITIVE)
+    download_deadline: float = setting(600.0, "seconds one file's download may take in all", check=POSITIVE)
     output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go")
     resume: str = setting("auto", "auto: continue from the newest good checkpoint in the output dir; never: start "
                           "fresh", choices=("auto", "never"))

@@ -31,10 +31,6 @@ STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-class Refused(common.UsageError):
-    """The tracking server refused to start the run (credentials, permissions, the URI): bad input, exit 2."""
-
-
 def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
     from mlflow.exceptions import MlflowException
     if isinstance(exc, MlflowException):
@@ -77,9 +73,9 @@ class Sender:
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                if kind == "refused" and op["op"] == "start":
+                if kind == "refused" and op["op"] == "start":  # credentials, permissions, the URI: bad input
                     self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
-                    raise Refused(self.refused) from None
+                    raise common.UsageError(self.refused) from None
                 log.warning("MLflow: %s not logged, skipped: %s", op["op"], common.first_line(exc))
             if self.failures:
                 log.info("MLflow: %s answers again; sending what waited", self.uri)
@@ -185,9 +181,8 @@ class Tracker:
                 time.sleep(0.05)
             if self.sender.refused:
                 self.journal.rollback()
-                raise Refused(self.sender.refused)
-        threading.Thread(target=sample_system, args=(self.log_metrics, self.node, self.system_stopped),
-                         daemon=True).start()
+                raise common.UsageError(self.sender.refused)
+        threading.Thread(target=self._sample_system, daemon=True).start()
 
     def log_metrics(self, values, step):
         values = {key: float(value) for key, value in values.items()}
@@ -220,29 +215,28 @@ class Tracker:
             try:
                 if self.sender.send_unsent(stopping=self.finishing.is_set) and finishing:
                     return
-            except Refused:
+            except common.UsageError:  # the start refused: Tracker.start says it
                 return
             except Exception as exc:
                 log.warning("MLflow: the sender failed (%s); the journal keeps the rest", common.first_line(exc))
             with self.journal.appended:
                 self.journal.appended.wait(1)
 
-
-def sample_system(log_metrics, node, stopped):
-    """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until `stopped`."""
-    from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
-    monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
-    while not stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
-        try:
-            values = {}
-            for monitor in monitors:
-                monitor.collect_metrics()
-                values.update({f"system/{node}/{k}": v for k, v in monitor.aggregate_metrics().items()})
-                monitor.clear_metrics()
-            log_metrics(values, step)
-            step += 1
-        except Exception as exc:
-            log.warning("MLflow: system metrics not logged: %s", common.first_line(exc))
+    def _sample_system(self):
+        """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the finish."""
+        from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
+        monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
+        while not self.system_stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
+            try:
+                values = {}
+                for monitor in monitors:
+                    monitor.collect_metrics()
+                    values.update({f"system/{self.node}/{k}": v for k, v in monitor.aggregate_metrics().items()})
+                    monitor.clear_metrics()
+                self.log_metrics(values, step)
+                step += 1
+            except Exception as exc:
+                log.warning("MLflow: system metrics not logged: %s", common.first_line(exc))
 
 
 def watch_node(run_id, node):
