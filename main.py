@@ -18,8 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.train import Model
 
-from fmnist import (checkpoints, common, data, distributed, metrics, model, monitor, outputs, serving, settings,
-                    tracking)
+from fmnist import checkpoints, common, data, distributed, model, monitor, outputs, serving, settings, tracking
 from fmnist.common import log
 
 
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
         job, splits, sources = get_data(job)
         cfg = job.cfg  # its batch size fitted to the data, if the default was too big for it
         shards, test_ds = data.shard(splits, cfg.batch_size, collective.rank, collective.world_size, cfg.seed)
-        evaluation = metrics.Evaluation(collective, len(data.CLASS_NAMES))
+        evaluation = monitor.Evaluation(collective, len(data.CLASS_NAMES))
         if cfg.predict:
             return serving.predict(cfg.predict, test_ds, evaluation, collective.is_main)
         net, trainer = build_model(job, evaluation)
@@ -236,7 +235,7 @@ def report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, s
     if len(history) > cfg.epochs:
         log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this job "
                     "reports and writes", len(history), cfg.epochs)
-    precision = metrics.mixed_precision(trainer.train_network, net, model.build_network(len(data.CLASS_NAMES)),
+    precision = monitor.mixed_precision(trainer.train_network, net, model.build_network(len(data.CLASS_NAMES)),
                                         Tensor(data.to_model_input(splits.test.images[:8])))
     train_s = sum(e["train_s"] for e in history)
     summary = {

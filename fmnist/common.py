@@ -58,7 +58,6 @@ def configure_logging(rank):
 def atomic_path(path, suffix=""):
     """A temporary name beside `path`, renamed to it when the block succeeds and removed when it fails: `path`
     is whole or absent. `suffix` is for writers that insist on one (MindSpore's)."""
-    path = Path(path)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
     with space_for(path):
         try:
@@ -93,7 +92,6 @@ def write_atomic(path, data, sync=True):
 def hold_lock(path, what, wait=False, probe=False):
     """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the holder: the
     kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its holder, or a `wait`."""
-    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until closed)

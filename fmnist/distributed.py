@@ -170,12 +170,9 @@ class StopRequest:
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._record)
+            signal.signal(signum, lambda received, _frame: setattr(self, "signum", received))
         return self
 
     def __exit__(self, *exc_info):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _record(self, signum, frame):
-        self.signum = signum

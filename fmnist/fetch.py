@@ -87,8 +87,6 @@ def local_copy(directory, name):
 def receive(url, response, timeout, deadline, say):
     """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
     total = int(response.headers.get("Content-Length") or 0)
-    if total > DOWNLOAD_MAX_BYTES:
-        raise ValueError(f"{url}: {total} bytes is over the {DOWNLOAD_MAX_BYTES}-byte cap")
     chunks, size, started = [], 0, time.monotonic()
     shown = started
     # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.

@@ -55,10 +55,9 @@ def sample_grid(plt, split, seed, count=10):
 
 def training_curves(plt, loss_points, epoch_history):
     """The training loss (per log interval) and the validation loss and accuracy (per epoch)."""
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4), layout="tight")
     epochs = [e["epoch"] for e in epoch_history]
-    if loss_points:
-        loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
+    loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)  # none: no line
     loss_ax.plot(epochs, [e["val_loss"] for e in epoch_history], "o-", label="test set", color="tab:orange")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
     loss_ax.legend()
@@ -66,13 +65,12 @@ def training_curves(plt, loss_points, epoch_history):
     acc_ax.set(xlabel="epoch", ylabel="accuracy", title="Test-set accuracy")
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     return fig
 
 
 def confusion_matrix(plt, matrix):
     """The test-set confusion matrix with its counts, rows the true class."""
-    fig, ax = plt.subplots(figsize=(7, 6))
+    fig, ax = plt.subplots(figsize=(7, 6), layout="tight")
     ax.imshow(matrix, cmap="Blues")
     for (row, col), count in np.ndenumerate(matrix):
         ax.text(col, row, str(count), ha="center", va="center", fontsize=7,
@@ -82,5 +80,4 @@ def confusion_matrix(plt, matrix):
     ax.set_yticks(ticks, data.CLASS_NAMES)
     ax.set(xlabel="predicted", ylabel="true",
            title=f"Test set: {matrix.sum()} images, accuracy {np.trace(matrix) / max(matrix.sum(), 1):.4f}")
-    fig.tight_layout()
     return fig

@@ -3,7 +3,6 @@
 
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 from scipy.special import softmax
@@ -28,12 +27,11 @@ def export_mindir(net, path):
 
 def load_model(path):
     """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else UsageError."""
-    path = Path(path)
     try:
-        if path.suffix == ".mindir":
-            return nn.GraphCell(ms.load(str(path)))
+        if path.endswith(".mindir"):
+            return nn.GraphCell(ms.load(path))
         net = model.build_network(len(data.CLASS_NAMES))
-        missing, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(path), crc_check=True))
+        missing, _ = ms.load_param_into_net(net, ms.load_checkpoint(path, crc_check=True))
         if missing:
             raise ValueError(f"it has no {', '.join(missing)}")
         return net
@@ -86,6 +84,7 @@ class ServedModel:
     """The exported model as `mlflow models serve` runs it: pixels() in, prediction_frame() out."""
 
     def __init__(self, mindir):
+        distributed.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
         self.net = nn.GraphCell(ms.load(str(mindir)))
         self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))  # compiled now, not by a request
 
@@ -103,7 +102,4 @@ class ServedModel:
             return self.net(features).asnumpy()
 
 
-def _load_pyfunc(path):
-    """MLflow's entry point for this module as a pyfunc loader_module: the model from its MindIR at `path`."""
-    distributed.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
-    return ServedModel(path)
+_load_pyfunc = ServedModel  # MLflow's entry point for a pyfunc loader_module, given the MindIR's path

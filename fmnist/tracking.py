@@ -31,12 +31,11 @@ STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def kind_of_failure(exc):  # "transient" (worth retrying), "refused" (the server said no) or "error"
+def transient(exc):  # worth retrying: unreachable, timed out, 429 or 5xx
     from mlflow.exceptions import MlflowException
     if isinstance(exc, MlflowException):
-        return "transient" if exc.get_http_status_code() in (429, *range(500, 600)) else "refused"
-    transient = isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
-    return "transient" if transient else "error"
+        return exc.get_http_status_code() in (429, *range(500, 600))
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
 
 
 class Sender:
@@ -63,8 +62,7 @@ class Sender:
             try:
                 self.send(op)
             except Exception as exc:
-                kind = kind_of_failure(exc)
-                if kind == "transient":
+                if transient(exc):
                     self.failures += 1
                     if self.failures == 1:
                         log.warning("MLflow: cannot reach %s (%s); the journal keeps everything and is retried",
@@ -73,7 +71,7 @@ class Sender:
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                if kind == "refused" and op["op"] == "start":  # credentials, permissions, the URI: bad input
+                if op["op"] == "start" and isinstance(exc, self.mlflow.MlflowException):  # refused: bad input
                     self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
                     raise common.UsageError(self.refused) from None
                 log.warning("MLflow: %s not logged, skipped: %s", op["op"], common.first_line(exc))
@@ -129,8 +127,7 @@ class Sender:
         is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
-        with warnings.catch_warnings():  # that integer columns cannot hold missing values: class indices never miss
-            warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # that int columns cannot hold NaN
             signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
             info = self.mlflow.pyfunc.log_model(
@@ -252,8 +249,7 @@ def dataset_entities(splits, checksums, sources):
     for context, split, part in (("training", "train", splits.train), ("evaluation", "t10k", splits.test)):
         names = [f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"]
         digest = hashlib.sha256("".join(checksums[n] for n in names).encode()).hexdigest()[:32]
-        with warnings.catch_warnings():  # that a local path could be one of two kinds of local source
-            warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # a local path: two kinds of source
             entity = mlflow.data.from_numpy(part.images, targets=part.labels, source=sources.get(names[0], ""),
                                             name=f"fashion-mnist-{split}", digest=digest)._to_mlflow_entity()
         entities.append((context, entity.to_dictionary()))

@@ -52,13 +52,14 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     args = job_args(longer_data)
     job, log = start(tmp_path, args)
     wait_for(log, r"epoch 2/2 \| step (40|48)/", job, timeout=300)
-    signalled = time.monotonic()
+    signalled, processes = time.monotonic(), psutil.Process(job.pid).children(recursive=True)
     if how == "kill":
         job.kill()  # with 2 workers, unshare's PID namespace goes, and every process of the job with it
     else:  # to run.sh, as Kubernetes would signal its PID 1
         psutil.Process(job.pid).children()[0].send_signal(signal.SIGTERM)
     status = job.wait(timeout=120)
     stopped_at, stopped_after = time.time(), time.monotonic() - signalled  # after the stopped job's last step
+    psutil.wait_procs(processes, timeout=60)  # unshare can end before the job's processes: one could still write
     stopped_log = log.read_text()
     assert not (tmp_path / "out" / "summary.json").exists()
     last_step = int((tmp_path / "out" / "checkpoints" / "last-step").read_text().split()[0])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import main
-from fmnist import checkpoints, common, data, distributed, fetch, metrics, model, monitor, settings, tracking
+from fmnist import checkpoints, common, data, distributed, fetch, model, monitor, settings, tracking
 from conftest import ROOT, idx_bytes, make_split, small_volume
 
 
@@ -65,7 +65,7 @@ def test_one_hot():
 def test_evaluation_loss_is_the_cross_entropy_computed_stably():
     logits = np.array([[2.0, 1.0, 0.1], [1000.0, 0.0, -1000.0]])
     labels = np.array([[1.0, 0, 0], [0, 1.0, 0]])
-    evaluation = metrics.Evaluation(distributed.Collective(0, 0, 1), 3)
+    evaluation = monitor.Evaluation(distributed.Collective(0, 0, 1), 3)
     evaluation.update(FakeTensor(logits), FakeTensor(labels))
     expected0 = -np.log(np.exp(2.0) / np.exp(logits[0]).sum())
     assert evaluation.eval()["loss"] == pytest.approx((expected0 + 1000.0) / 2)
@@ -93,7 +93,7 @@ def test_evaluation_counts_every_sample_once_across_ranks():
     # This rank: 2 samples, 1 correct. The other rank: 3 samples, all of class 0 and right -> 4/5, not
     # mean(0.5, 1.0); its loss sum is 3.0.
     other = np.append(3.0, np.array([[3, 0], [0, 0]]).ravel())
-    evaluation = metrics.Evaluation(FakeCollective(other), 2)
+    evaluation = monitor.Evaluation(FakeCollective(other), 2)
     logits, labels = np.array([[0.9, 0.1], [0.9, 0.1]]), np.array([[1.0, 0.0], [0.0, 1.0]])
     evaluation.update(FakeTensor(logits), FakeTensor(labels))
     figures = evaluation.eval()
