@@ -79,12 +79,12 @@ def main(argv=None) -> int:
     training = monitor.TrainingMonitor(cfg, collective, tracker, progress, laps, len(data.CLASS_NAMES))
     saver = checkpoints.CheckpointSaver(cfg.output_dir / "checkpoints", cfg.keep_checkpoints, cfg.checkpoint_steps,
                                         progress, tracker, current, resumed) if collective.is_main else None
-    try:
-        with training.stop:  # SIGTERM becomes a request the ranks agree on
+    with training.stop:  # SIGTERM becomes a request the ranks agree on, and one more while they stop is moot
+        try:
             train(job, trainer, shards, test_ds, [c for c in (training, saver) if c], start)
-        return report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, start)
-    except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
-        return stop_early(job, exc, trainer, progress, saver, tracker)
+            return report(job, net, trainer, test_ds, splits, progress, tracker, saver, laps, start)
+        except (monitor.Diverged, distributed.Terminated, common.DiskFull) as exc:
+            return stop_early(job, exc, trainer, progress, saver, tracker)
 
 
 def join_job(cfg):

@@ -163,8 +163,9 @@ class Terminated(Exception):
 
 
 class StopRequest:
-    """SIGTERM and SIGINT during training, recorded for the ranks to agree on at the next log interval (one rank
-    stopping alone would leave the others in a collective); outside it they end the process: every write is atomic."""
+    """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at the next log interval (one rank
+    stopping alone would leave the others in a collective): one that comes as the job stops or reports changes
+    nothing. Before training they end the process: every write is atomic."""
 
     signum = 0
 
