@@ -134,11 +134,11 @@ trap 'stop 130' INT
 setsid "${launcher[@]}" 2>>"$LOG_DIR/msrun.log" \
   > >(trap '' INT; grep --line-buffered -v '^\[INFO\] ' | tee -ai "$LOG_DIR/msrun.log") &
 msrun_pid=$!
-until wait "$msrun_pid"; do  # a trapped signal ends `wait` early, with a status over 128
+until wait "$msrun_pid" && status=0; do  # a trapped signal ends `wait` early, with a status over 128
   status=$?
   kill -0 "$msrun_pid" 2>/dev/null || break
 done
-if ((stop_status)); then
+if ((stop_status && status)); then  # a job that finished all the same (a signal as it wrote its results) is done
   echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
   exit "$stop_status"
 fi

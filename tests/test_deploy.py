@@ -131,9 +131,33 @@ def test_dockerignore_sends_only_what_the_image_copies():
     assert sent == sorted(source.rstrip("/") for sources in copies for source in sources)
 
 
+# Rank 0, about to write its results, has run.sh signalled with SIGTERM, as a pod deleted at that moment would be.
+SIGNAL_AT_THE_RESULTS = """
+import os, signal, sys, time
+if sys.argv[0].endswith("main.py"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    from fmnist import outputs
+    write_all = outputs.write_all
+
+    def signalled(*args, **kwargs):
+        pid = os.getppid()
+        while "run.sh" not in open(f"/proc/{pid}/cmdline").read():
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(1)  # run.sh passes it on to the worker meanwhile
+        return write_all(*args, **kwargs)
+    outputs.write_all = signalled
+"""
+
+
 def test_run_sh_trains_one_worker_from_another_directory(tiny_data, tmp_path):
-    """Two workers from another directory: test_bad_input.py's run in directories with spaces and accents."""
-    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS="1")
+    """Two workers from another directory: test_bad_input.py's run in directories with spaces and accents. Here a
+    SIGTERM comes as the results are written: the job finishes them, and run.sh says it is done, exit 0."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGNAL_AT_THE_RESULTS)
+    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS="1", PYTHONPATH=str(hook))
+    assert "run.sh: stopping the workers" in result.stderr, result.stderr[-3000:]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["world_size"] == 1
     assert "Results: out/summary.json" in result.stdout
