@@ -2,6 +2,7 @@
 training's settings, CRC-checked, whole or absent. A restart continues from the newest good one and refuses
 another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16 steps into epoch 3."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -153,12 +154,10 @@ class CheckpointSaver(Callback):
     def log_restart_cost(self, step):
         # Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now.
         cost = {"restarts": self.restarts, "restart_steps_lost": 0}
-        try:  # the stopped job's newest step and its time, before this job's first step overwrites them
-            last_step, when = (self.directory / RECORD).read_text().split()
-            cost.update(restart_steps_lost=max(0, int(last_step) - self.resumed.position.global_step(
-                self.progress.steps_per_epoch)), restart_total_s=time.time() - float(when))
-        except (OSError, ValueError):
-            pass
+        with contextlib.suppress(OSError, ValueError):  # the stopped job's newest step and its time, if recorded
+            last_step, when = map(float, (self.directory / RECORD).read_text().split())  # before this job's overwrite
+            resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
+            cost.update(restart_steps_lost=max(0, int(last_step) - resumed_step), restart_total_s=time.time() - when)
         log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts, cost["restart_steps_lost"],
                  f"{cost['restart_total_s']:.1f} s" if "restart_total_s" in cost else "an unknown time")
         self.tracker.log_metrics(cost, step=step)

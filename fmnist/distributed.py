@@ -159,7 +159,7 @@ class Terminated(Exception):
 
     def __init__(self, signum, step):
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
-        self.signum, self.step = signum, step
+        self.signum = signum
 
 
 class StopRequest:
@@ -171,9 +171,12 @@ class StopRequest:
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda received, _frame: setattr(self, "signum", received))
+            signal.signal(signum, self._record)
         return self
 
     def __exit__(self, *exc_info):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _record(self, signum, frame):
+        self.signum = signum

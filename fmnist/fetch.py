@@ -87,13 +87,12 @@ def local_copy(directory, name):
 def receive(url, response, timeout, deadline, say):
     """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
     total = int(response.headers.get("Content-Length") or 0)
-    chunks, size, started = [], 0, time.monotonic()
+    body, started = bytearray(), time.monotonic()
     shown = started
     # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
     while chunk := response.read1(1 << 20):
-        chunks.append(chunk)
-        size += len(chunk)
-        now = time.monotonic()
+        body += chunk
+        size, now = len(body), time.monotonic()
         elapsed, rate = now - started, size / max(now - started, 1e-9)
         if size > DOWNLOAD_MAX_BYTES:
             raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
@@ -107,9 +106,9 @@ def receive(url, response, timeout, deadline, say):
             shown = now
             left = f", {common.duration((total - size) / rate)} left" if total else ""
             say(f"downloading {url}: {size / 2**20:.1f} of {total / 2**20:.1f} MiB, {rate / 2**20:.2f} MiB/s{left}")
-    if total and size != total:
-        raise ConnectionError(f"{url}: connection closed after {size} of {total} bytes")
-    return b"".join(chunks)
+    if total and len(body) != total:
+        raise ConnectionError(f"{url}: connection closed after {len(body)} of {total} bytes")
+    return bytes(body)
 
 
 def download(url, timeout, say=print, deadline=600.0):
@@ -165,13 +164,14 @@ def problem_with_copy(data_dir, name, expected):
 def ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=SYSTEM_DATA_DIRS, say=print, deadline=600.0):
     """The four verified IDX files in data_dir, with no request when they are there; {name: where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
-    if all(problem_with_copy(data_dir, name, expected) is None for name, expected in checksums.items()):
+    problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
+    if all(problem is None for problem in problems.values()):
         return dict.fromkeys(checksums, here)  # works on a read-only data dir, such as one baked into an image
     try:  # two jobs sharing one data dir take turns (the lock makes it); the second finds verified files
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
             sources = {}
-            for name, expected in checksums.items():
-                problem = problem_with_copy(data_dir, name, expected)  # again: another job may have fetched it
+            for name, expected in checksums.items():  # a verified copy is hashed once; the others again
+                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
                 if problem:
                     say(f"warning: {problem}; fetching it again")
                 sources[name] = here if problem is None else fetch_file(
