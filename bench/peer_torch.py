@@ -70,7 +70,7 @@ def main():
     per_rank = steps * args.batch_size
     first_step_s, epochs = None, []
     for epoch in range(args.epochs):
-        # The job's data order (fmnist/data.py, ShardBatches): a permutation per (seed, epoch), a block per rank.
+        # The job's data order (main.py, Shard): a permutation per (seed, epoch), a block per rank.
         order = np.random.default_rng((args.seed, epoch)).permutation(len(images))
         mine = torch.from_numpy(order[rank * per_rank:(rank + 1) * per_rank])
         model.train()

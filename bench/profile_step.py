@@ -41,7 +41,7 @@ def mindspore_step(steps, before_timing=None):
     distributed.cap_onednn_isa()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    distributed.bind_to_cores({sorted(os.sched_getaffinity(0))[-1]})
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
     ms.device_context.cpu.op_tuning.threads_num(1)
     ms.set_seed(42)
     net = model.build_network(len(data.CLASS_NAMES))

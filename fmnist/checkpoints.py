@@ -1,6 +1,6 @@
-"""Checkpoints and exact resume: the weights, the optimizer, the epoch and step (the data order follows) and the
-training's settings, CRC-checked, whole or absent. A restart continues from the newest good one and refuses
-another training's. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is 16 steps into epoch 3."""
+"""Checkpoint files and exact resume: the weights, the optimizer and the training's state (where it is, its figures
+so far, its course), CRC-checked, whole or absent. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is
+16 steps into epoch 3. A restart continues from the newest good one and refuses another training's."""
 
 import contextlib
 import dataclasses
@@ -11,36 +11,63 @@ import time
 from pathlib import Path
 
 import mindspore as ms
-from mindspore.train import Callback
 
 from . import common, settings
 from .common import log
 
-CHECKPOINT_FORMAT = 3  # 3 added the step within the epoch and the restarts; 2 added the settings
+# 4 named the course; 3 added the step within the epoch and the restarts; 2 added the settings.
+CHECKPOINT_FORMAT = 4
 NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
-RECORD = "last-step"  # rank 0's newest finished step and its time, beside the checkpoints
+# Rank 0's newest finished step and its time, beside the checkpoints: what a restart lost is measured from it.
+RECORD = "last-step"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Position:
-    """Where a training is: `epoch` epochs done, then `step` steps of the next one."""
+    """Where a training is: `epoch` epochs done, then `step` steps of the next one. Every conversion between a
+    position, a count of steps and a checkpoint's name (whose epochs count from 1) is here."""
 
     epoch: int = 0
     step: int = 0
 
-    def global_step(self, steps_per_epoch):
+    @classmethod
+    def after(cls, steps, steps_per_epoch):
+        return cls(*divmod(steps, steps_per_epoch))
+
+    def steps(self, steps_per_epoch):
         return self.epoch * steps_per_epoch + self.step
+
+    @property
+    def file_name(self):
+        if not self.step:
+            return f"epoch-{self.epoch:04d}.ckpt"
+        return f"epoch-{self.epoch + 1:04d}-step-{self.step:06d}.ckpt"
+
+    @classmethod
+    def of_file(cls, name):
+        """The position a checkpoint's file name gives, or None for another file."""
+        if not (match := NAME.fullmatch(name)):
+            return None
+        epoch, step = int(match[1]), int(match[2] or 0)
+        return cls(epoch - 1, step) if step else cls(epoch)
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """What a checkpoint keeps beside the weights, and what a resume continues from."""
+
+    steps: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    loss_points: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """The checkpoint a job resumes from: where, how far, and its figures so far."""
+    """The checkpoint a job resumes from: its file, the state it kept, and the restarts before this one."""
 
     path: Path
-    position: Position
-    restarts: int  # restarts before this one
-    history: list  # the per-epoch figures of the epochs done
-    loss_points: list  # (epoch as a fraction, training loss) so far
+    state: State
+    restarts: int
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -49,46 +76,41 @@ def save_checkpoint(cell, path, extra=None):
         ms.save_checkpoint(cell, str(tmp), append_dict=extra, crc_check=True)
 
 
-def checkpoint_path(directory, position):
-    if not position.step:
-        return Path(directory) / f"epoch-{position.epoch:04d}.ckpt"
-    return Path(directory) / f"epoch-{position.epoch + 1:04d}-step-{position.step:06d}.ckpt"
-
-
 def newest_first(directory):
     """The checkpoints in `directory`, the furthest in the training first; other files are ignored."""
-    found = {}
-    for path in Path(directory).glob("epoch-*.ckpt"):
-        if match := NAME.fullmatch(path.name):
-            epoch, step = int(match[1]), int(match[2] or 0)
-            found[path] = Position(epoch - 1, step) if step else Position(epoch)
-    return sorted(found, key=found.get, reverse=True)
+    found = {path: Position.of_file(path.name) for path in Path(directory).glob("epoch-*.ckpt")}
+    return sorted((path for path, position in found.items() if position), key=found.get, reverse=True)
 
 
-def trajectory(cfg, resolved, train_network):
-    """What decides a training's course: the settings that shape it, what the job resolved, the parameters' shapes."""
+def course(cfg, resolved, train_network):
+    """What decides a training's course, which a resume must keep: the settings that shape it, what the job
+    resolved them to, and the parameters' shapes."""
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
-    return {**{k: v for k, v in dataclasses.asdict(cfg).items() if k in settings.COURSE}, **resolved,
-            "parameter_shapes": shapes}
+    kept = {name: value for name, value in dataclasses.asdict(cfg).items() if name in settings.COURSE}
+    return {**kept, **resolved, "parameter_shapes": shapes}
 
 
 def resume_conflicts(meta, current):
     """'name: was X, now Y' for each way a checkpoint's training differs from this job's."""
     if meta.get("format") != CHECKPOINT_FORMAT:
-        return [f"checkpoint format: was {meta.get('format', 1)} (written by job {meta.get('job_version', '1.0.0')}), "
+        written_by = f"written by job {meta.get('job_version', '1.0.0')}"
+        return [f"checkpoint format: was {meta.get('format', 1)} ({written_by}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
-    saved, conflicts = meta["trajectory"], []
+    saved, conflicts = meta["course"], []
     for name in sorted(set(saved) | set(current)):
-        if (was := saved.get(name)) != (now := current.get(name)):
-            if name == "parameter_shapes":  # say which, not the whole table
-                was, now = was or {}, now or {}
-                differing = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
-                was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"
-            conflicts.append(f"{name}: was {was}, now {now}")
+        was, now = saved.get(name), current.get(name)
+        if was == now:
+            continue
+        if name == "parameter_shapes":
+            # Which parameters differ, not the whole table.
+            was, now = was or {}, now or {}
+            differing = sorted(key for key in set(was) | set(now) if was.get(key) != now.get(key))
+            was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"
+        conflicts.append(f"{name}: was {was}, now {now}")
     return conflicts
 
 
-def load_latest_checkpoint(directory, train_network, current):
+def load_latest(directory, train_network, current, steps_per_epoch):
     """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or None.
     Another training's is UsageError naming every difference: no run would describe the model it would make."""
     for path in newest_first(directory):
@@ -102,73 +124,79 @@ def load_latest_checkpoint(directory, train_network, current):
             raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
                                     f"{'; '.join(conflicts)}. Start fresh with --resume never, or give another "
                                     "--output-dir")
-        ms.load_param_into_net(train_network, params)  # its parameters are these: their names and shapes match
-        return Resumed(path, Position(meta["epoch"], meta["step"]), meta["restarts"], meta["history"],
-                       [tuple(p) for p in meta["loss_points"]])
+        # Its parameters are these: their names and shapes match.
+        ms.load_param_into_net(train_network, params)
+        steps = Position(meta["epoch"], meta["step"]).steps(steps_per_epoch)
+        state = State(steps, meta["history"], [tuple(point) for point in meta["loss_points"]])
+        return Resumed(path, state, meta["restarts"])
     return None
 
 
-def agree_on_resume(collective, resumed, directory, epochs):
-    """The Position every rank resumes from; UsageError when ranks found different checkpoints. A collective."""
-    start = resumed.position if resumed else Position()
-    agreed = collective.all_gather([start.epoch, start.step])
+def agree_on_resume(collective, resumed, directory):
+    """Every rank resumes from the same step; UsageError when ranks found different checkpoints. A collective."""
+    steps = resumed.state.steps if resumed else 0
+    agreed = collective.all_gather([steps])
     if (agreed != agreed[0]).any():
-        raise common.UsageError(f"ranks found different checkpoints to resume from (epoch and step "
-                                f"{agreed.tolist()}); is {directory} shared by all nodes?")
-    if resumed:
-        log.info("resuming from %s: %d of %d epochs%s done", resumed.path, start.epoch, epochs,
-                 f" and {start.step} steps" if start.step else "")
-    return start
+        raise common.UsageError(f"ranks found different checkpoints to resume from (steps {agreed.ravel().tolist()}); "
+                                f"is {directory} shared by all nodes?")
 
 
-class CheckpointSaver(Callback):
-    """Rank 0's checkpoints, the newest `keep` kept: at each epoch's end, every `every_steps` steps, and on a stop,
-    on the training thread (milliseconds for LeNet). Each step's number and time go to RECORD, for the restart cost."""
+class Checkpoints:
+    """Rank 0's checkpoints of one training, the newest --keep-checkpoints kept: at each epoch's end, every
+    --checkpoint-steps steps (it decides when one is due), and on a stop, on the training thread (milliseconds for
+    LeNet). Each step's number and time go to RECORD, for what a restart cost."""
 
-    def __init__(self, directory, keep, every_steps, progress, tracker, current, resumed=None):
-        super().__init__()
-        self.directory, self.keep, self.every_steps = Path(directory), keep, every_steps
-        self.progress, self.tracker, self.current = progress, tracker, current  # current: the trajectory
-        self.resumed, self.restarts = resumed, resumed.restarts + 1 if resumed else 0  # this start's number
-        self.save_s = []  # each save's time, seconds
+    def __init__(self, cfg, current, resumed, steps_per_epoch):
+        self.directory = cfg.output_dir / "checkpoints"
+        self.keep, self.every_steps, self.steps_per_epoch = cfg.keep_checkpoints, cfg.checkpoint_steps, steps_per_epoch
+        self.current, self.resumed = current, resumed
+        self.restarts = resumed.restarts + 1 if resumed else 0
+        self.saved_steps = resumed.state.steps if resumed else None
+        self.save_s = []
         self.directory.mkdir(parents=True, exist_ok=True)
+        # The stopped job's newest step and when it was done, read before this job overwrites them.
+        self.stopped_at = None
+        with contextlib.suppress(OSError, ValueError):
+            last_step, when = (self.directory / RECORD).read_text().split()
+            self.stopped_at = int(last_step), float(when)
         self._record = os.open(self.directory / RECORD, os.O_WRONLY | os.O_CREAT, 0o644)
 
-    def on_train_step_end(self, run_context):
-        position, steps = self.progress.position, self.progress.steps_per_epoch
-        if self.restarts and self.progress.steps_done == 1:
-            self.log_restart_cost(position.global_step(steps))
-        self.mark()
-        if (self.every_steps and position.step < steps  # the epoch's last step: its end's checkpoint follows
-                and position.global_step(steps) % self.every_steps == 0):
-            self.save(run_context.original_args().train_network, position)
+    def path(self, steps):
+        return self.directory / Position.after(steps, self.steps_per_epoch).file_name
 
-    def on_train_epoch_end(self, run_context):
-        self.save(run_context.original_args().train_network, Position(run_context.original_args().cur_epoch_num))
-
-    def mark(self):
-        step = self.progress.position.global_step(self.progress.steps_per_epoch)
-        with common.space_for(self.directory / RECORD):  # the first write takes a block: the volume may be full
-            os.pwrite(self._record, f"{step:12d} {time.time():20.6f}\n".encode(), 0)
-
-    def log_restart_cost(self, step):
-        # Steps trained before the stop but not in the checkpoint resumed from, and seconds from then to now.
+    def restart_cost(self):
+        """What this restart cost, as metrics: steps trained before the stop but not in the checkpoint resumed
+        from, and the seconds from the stop to now (when the stopped job recorded them)."""
         cost = {"restarts": self.restarts, "restart_steps_lost": 0}
-        with contextlib.suppress(OSError, ValueError):  # the stopped job's newest step and its time, if recorded
-            last_step, when = map(float, (self.directory / RECORD).read_text().split())  # before this job's overwrite
-            resumed_step = self.resumed.position.global_step(self.progress.steps_per_epoch)
-            cost.update(restart_steps_lost=max(0, int(last_step) - resumed_step), restart_total_s=time.time() - when)
-        log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts, cost["restart_steps_lost"],
-                 f"{cost['restart_total_s']:.1f} s" if "restart_total_s" in cost else "an unknown time")
-        self.tracker.log_metrics(cost, step=step)
+        if self.stopped_at:
+            last_step, when = self.stopped_at
+            cost.update(restart_steps_lost=max(0, last_step - self.resumed.state.steps),
+                        restart_total_s=time.time() - when)
+        return cost
 
-    def save(self, train_network, position):
+    def step_done(self, train_network, state):
+        """Record the step, and save when --checkpoint-steps says so (an epoch's end saves by itself)."""
+        self.mark(state.steps)
+        if self.every_steps and state.steps % self.every_steps == 0 and state.steps % self.steps_per_epoch:
+            self.save(train_network, state)
+
+    def mark(self, steps):
+        with common.catch_full_disk(self.directory / RECORD):
+            os.pwrite(self._record, f"{steps:12d} {time.time():20.6f}\n".encode(), 0)
+
+    def save(self, train_network, state):
+        """The training at `state` as a checkpoint, unless it is saved already; older ones beyond `keep` go."""
+        if state.steps == self.saved_steps:
+            return
         started = time.perf_counter()
-        meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "trajectory": self.current,
+        position = Position.after(state.steps, self.steps_per_epoch)
+        meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "course": self.current,
                 "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
-                "history": self.progress.history, "loss_points": self.progress.loss_points}
-        save_checkpoint(train_network, checkpoint_path(self.directory, position), extra={"meta": json.dumps(meta)})
+                "history": state.history, "loss_points": state.loss_points}
+        save_checkpoint(train_network, self.path(state.steps), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()
-        self.mark()  # the step saved is the newest trained: a stop loses none
+        # The step saved is the newest trained: a stop loses none.
+        self.mark(state.steps)
+        self.saved_steps = state.steps
         self.save_s.append(time.perf_counter() - started)

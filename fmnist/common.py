@@ -1,22 +1,21 @@
-"""What every stage shares: exit codes, the one error type for bad input, logging, files written whole (the
-journal among them) and the one lock."""
+"""What every stage shares: exit codes, the one error type for bad input, logging, files written whole and the
+one lock."""
 
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import secrets
 import socket
-import threading
 import time
-from pathlib import Path
 
 JOB_VERSION = "1.0.0"
-EXIT_USAGE = 2  # bad settings or data: retrying the same pod cannot help (see k8s-job.yaml podFailurePolicy)
-EXIT_DIVERGED = 3  # the training diverged: a retry with the same settings diverges again (podFailurePolicy too)
-EXIT_DISK_FULL = 4  # a volume the job writes to is full: a retry fails alike until someone frees space
+# Exit statuses that a retry of the same pod cannot mend (k8s-job.yaml's podFailurePolicy reads them): bad
+# settings or data; a training that diverged, which diverges again with the same settings; a full volume.
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_DISK_FULL = 4
 
 log = logging.getLogger("fashion-mnist")
 
@@ -59,18 +58,19 @@ def atomic_path(path, suffix=""):
     """A temporary name beside `path`, renamed to it when the block succeeds and removed when it fails: `path`
     is whole or absent. `suffix` is for writers that insist on one (MindSpore's)."""
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
-    with space_for(path):
+    with catch_full_disk(path):
         try:
             yield tmp
             os.replace(tmp, path)
         except BaseException:
-            for leftover in tmp.parent.glob(f"{tmp.stem}*"):  # the writer's own temporaries too (MindSpore's .tmp)
+            # The writer's own temporaries go too (MindSpore's .tmp).
+            for leftover in tmp.parent.glob(f"{tmp.stem}*"):
                 leftover.unlink(missing_ok=True)
             raise
 
 
 @contextlib.contextmanager
-def space_for(path):
+def catch_full_disk(path):
     """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4; the rest passes."""
     try:
         yield
@@ -90,11 +90,12 @@ def write_atomic(path, data, sync=True):
 
 
 def hold_lock(path, what, wait=False, probe=False):
-    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the holder: the
-    kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its holder, or a `wait`."""
+    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the holder:
+    the kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its holder, or with
+    `wait`, a wait."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until closed)
+        lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until it is closed)
     except OSError as exc:
         raise UsageError(f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in") from None
     try:
@@ -106,45 +107,9 @@ def hold_lock(path, what, wait=False, probe=False):
         raise UsageError(f"{what} is in use by {holder}; wait for that job to end, or give another "
                          f"{what.split()[0] if what.startswith('--') else 'directory'}") from None
     if not probe:
-        with space_for(path):
+        with catch_full_disk(path):
             lock.truncate(0)
             lock.write(f"the job on host {socket.gethostname()}, pid {os.getpid()}, started "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
             lock.flush()
     return lock
-
-
-class Journal:
-    """An append-only file of JSON lines, each written whole; read back from any byte offset."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.appended = threading.Condition()
-        self.rollback_to = None  # its size before this process's first line
-
-    def append(self, op, **fields):
-        line = json.dumps({"op": op, **fields}) + "\n"  # json refuses what it cannot write back
-        with self.appended, space_for(self.path):
-            if self.rollback_to is None:
-                self.rollback_to = self.path.stat().st_size if self.path.exists() else 0
-            with open(self.path, "a", encoding="utf-8") as out:
-                out.write(line)
-            self.appended.notify_all()
-
-    def rollback(self):
-        """Remove what this process appended."""
-        if self.rollback_to is not None:
-            os.truncate(self.path, self.rollback_to)
-
-    def read_from(self, offset):
-        """[(offset after the line, the line's object)] of the whole lines after `offset`."""
-        lines = []
-        if self.path.exists():
-            with open(self.path, "rb") as journal:
-                journal.seek(offset)
-                for line in journal:
-                    if not line.endswith(b"\n"):
-                        break  # being written
-                    offset += len(line)
-                    lines.append((offset, json.loads(line)))
-        return lines

@@ -1,5 +1,5 @@
-"""This worker's place in the msrun job: its device and CPU share, joining, the collectives, the replicas' weight
-check, and the agreement by which every rank stops at the same step."""
+"""This worker's place in the msrun job: its device and CPU share, joining, the collectives and the figures
+gathered through them (the test set's, the replicas' weights), and the stop request every rank agrees on."""
 
 import concurrent.futures
 import hashlib
@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy.special import log_softmax
 
 import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore.communication import get_group_size, get_rank, init
+from mindspore.train import Metric
 
 from . import common
 
@@ -23,17 +25,20 @@ from . import common
 # several times faster (docs/performance.md). A user's own cap wins.
 ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
-GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB per fused all-reduce
+# Up to 32 MB of gradients in one fused all-reduce.
+GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}
 # A node learns that every node has joined, and leaves the job, at its heartbeat to msrun's scheduler: by
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
-POLL_S = 0.2  # between the small gathers of Collective.wait_for
+# Seconds between the small gathers of Collective.wait_for.
+POLL_S = 0.2
 
 
 def resolve_device(requested):
     if requested != "auto":
         return requested
-    logging.disable(logging.WARNING)  # is_available() warns of the missing Ascend plugin: on CPU, as expected
+    # is_available() warns of the missing Ascend plugin: on CPU, as expected.
+    logging.disable(logging.WARNING)
     try:
         return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
     finally:
@@ -67,7 +72,8 @@ def usable_cores(cgroup_cpu_max="/sys/fs/cgroup/cpu.max"):
     try:
         quota, period = Path(cgroup_cpu_max).read_text().split()
         return cores[:max(1, math.ceil(int(quota) / int(period)))]
-    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
+    except (OSError, ValueError):
+        # No cgroup v2, or "max": no quota.
         return cores
 
 
@@ -80,11 +86,13 @@ def worker_cores(cores, local_rank, local_workers):
 
 
 def set_up_worker(device, local_rank, local_workers, bind, threads):
-    """Bind this worker to its cores before MindSpore's pools start, and give them `threads` threads or one a core."""
+    """Bind this worker to its cores before MindSpore's pools start, and give them `threads` threads, or one a
+    core; the threads given."""
     cores = worker_cores(usable_cores(), local_rank, local_workers)
     threads = threads or len(cores)
     if device == "CPU":
-        if bind:  # MindSpore's threads spin as they wait: unbound, two workers' threads preempt each other's kernels
+        # MindSpore's threads spin as they wait: unbound, two workers' threads preempt each other's kernels.
+        if bind:
             os.sched_setaffinity(0, cores)
         ms.device_context.cpu.op_tuning.threads_num(threads)
     ms.dataset.config.set_num_parallel_workers(threads)
@@ -96,14 +104,16 @@ def init_distributed():
     (0, 0, 1) alone. msrun's scheduler process never returns from init(): nothing costly happens before it."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
-    if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
+    # MindSpore needs lower <= upper: both are set, or neither.
+    if not any(name in os.environ for name in HEARTBEAT_S):
         os.environ.update(HEARTBEAT_S)
     init()
     world_size = get_group_size()
     # Averaged gradients, in one fused all-reduce for all of LeNet's (240 KB) instead of one per parameter.
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  device_num=world_size, comm_fusion=GRADIENT_FUSION)
-    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size  # msrun numbers a node's workers
+    # msrun numbers a node's workers in DEVICE_ID.
+    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size
 
 
 class Collective:
@@ -131,9 +141,11 @@ class Collective:
                 if states.all():
                     break
                 time.sleep(POLL_S)
-        result = future.result() if future else None  # this rank's error, if it failed
+        # This rank's error, if it failed, is raised here.
+        result = future.result() if future else None
         if (states == 2).any():
-            time.sleep(1)  # the failed rank exits first, so that msrun and run.sh report its status and its log
+            # The failed rank exits first, so that msrun and run.sh report its status and its log.
+            time.sleep(1)
             raise common.UsageError(f"rank {int(np.argmax(states == 2))} failed (its log says why); this rank "
                                     "stops too")
         return result
@@ -142,6 +154,34 @@ class Collective:
         """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
         codes = np.frombuffer(text.encode("ascii").ljust(length, b"\0"), dtype=np.uint8).astype(np.int32)
         return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
+
+
+class Evaluation(Metric):
+    """The loss, the accuracy and the confusion matrix (rows: the true class) over the whole test set: each rank
+    scores its slice and one gather sums the counts, so a figure is the job's, never rank 0's shard alone."""
+
+    def __init__(self, collective, num_classes):
+        super().__init__()
+        self._collective, self._num_classes = collective, num_classes
+        self.clear()
+
+    def clear(self):
+        self._loss, self._confusion = 0.0, np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
+
+    def update(self, *inputs):
+        """Logits and one-hot labels, as Model.eval passes them."""
+        logits, labels = inputs[0].asnumpy().astype(np.float64), inputs[1].asnumpy()
+        # The cross-entropy, computed stably.
+        self._loss -= float((labels * log_softmax(logits, axis=1)).sum())
+        np.add.at(self._confusion, (labels.argmax(axis=1), logits.argmax(axis=1)), 1)
+
+    def eval(self):
+        # float64 holds the counts exactly: one gather carries the loss and the matrix.
+        rows = self._collective.all_gather(np.append(self._loss, self._confusion.ravel()).astype(np.float64))
+        total = rows.sum(axis=0)
+        confusion = total[1:].reshape(self._confusion.shape).astype(np.int64)
+        count = max(int(confusion.sum()), 1)
+        return {"loss": total[0] / count, "accuracy": np.trace(confusion) / count, "confusion": confusion}
 
 
 def replicas_identical(collective, net):
@@ -164,7 +204,7 @@ class Terminated(Exception):
 
 class StopRequest:
     """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at the next log interval (one rank
-    stopping alone would leave the others in a collective): one that comes as the job stops or reports changes
+    stopping alone would leave the others in a collective); one that comes as the job stops or reports changes
     nothing. Before training they end the process: every write is atomic."""
 
     signum = 0

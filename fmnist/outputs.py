@@ -1,33 +1,61 @@
 """The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as an
-MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix).
-matplotlib is imported late: only rank 0 draws."""
+MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix); and what
+mixed precision did, which summary.json reports. matplotlib is imported late: only rank 0 draws."""
 
+import dataclasses
 import io
 import json
 
 import numpy as np
 
+import mindspore as ms
 from mindspore import Tensor
 
 from . import checkpoints, common, data, serving
 
 
-def write_all(output_dir, net, splits, progress, summary, seed, tracker, register_as):
-    """Every output into `output_dir`, each logged to the run as it is written; then the MLflow model."""
-    writers = {"samples.png": lambda path: draw(sample_grid, path, splits.train, seed),
-               "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
-               "model.mindir": lambda path: serving.export_mindir(net, path),
-               "training_curves.png": lambda path: draw(training_curves, path, progress.loss_points,
-                                                        summary["epoch_history"]),
-               "confusion_matrix.png": lambda path: draw(confusion_matrix, path, progress.confusion),
-               "summary.json": lambda path: common.write_atomic(path, f"{json.dumps(summary, indent=2)}\n".encode())}
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """What a finished training reports: summary.json's figures, the loss curve and the confusion matrix."""
+
+    summary: dict
+    loss_points: list
+    confusion: np.ndarray
+
+
+def write_all(cfg, net, splits, results, tracker):
+    """Every output into cfg.output_dir, each logged to the run as it is written; then the MLflow model."""
+    summary_json = f"{json.dumps(results.summary, indent=2)}\n".encode()
+    writers = {
+        "samples.png": lambda path: draw(sample_grid, path, splits.train, cfg.seed),
+        "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
+        "model.mindir": lambda path: serving.export_mindir(net, path),
+        "training_curves.png": lambda path: draw(training_curves, path, results.loss_points,
+                                                 results.summary["epoch_history"]),
+        "confusion_matrix.png": lambda path: draw(confusion_matrix, path, results.confusion),
+        "summary.json": lambda path: common.write_atomic(path, summary_json),
+    }
     for name, write in writers.items():
-        write(output_dir / name)
-        tracker.log_artifact(output_dir / name)
-    example = splits.test.images[:4]  # the MLflow model's input example
-    tracker.log_model(output_dir / "model.mindir", example,
-                      serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy()),
-                      register_as, summary["test_accuracy"])
+        write(cfg.output_dir / name)
+        tracker.log_artifact(cfg.output_dir / name)
+    # The MLflow model's input example, with what the network predicts for it.
+    example = splits.test.images[:4]
+    predictions = serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy())
+    tracker.log_model(cfg.output_dir / "model.mindir", example, predictions, cfg.register_model,
+                      results.summary["test_accuracy"])
+
+
+def mixed_precision(train_step, net, float32_net, images):
+    """What mixed precision and loss scaling do in the train step MindSpore built, measured on it: features_dtype,
+    the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of the
+    step's logits against `float32_net` given net's weights; step_loss_scale, the backward pass's factor."""
+    ms.load_param_into_net(float32_net, net.parameters_dict())
+    # The network as amp rebuilt it.
+    amp_forward = train_step.network._backbone
+    scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
+    return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
+            "amp_logit_error": float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()),
+            "step_loss_scale": float(scale)}
 
 
 def draw(picture, path, *args):
@@ -57,7 +85,8 @@ def training_curves(plt, loss_points, epoch_history):
     """The training loss (per log interval) and the validation loss and accuracy (per epoch)."""
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4), layout="tight")
     epochs = [e["epoch"] for e in epoch_history]
-    loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)  # none: no line
+    # With no points (a job that only reported) the curve is simply absent.
+    loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
     loss_ax.plot(epochs, [e["val_loss"] for e in epoch_history], "o-", label="test set", color="tab:orange")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
     loss_ax.legend()

@@ -1,6 +1,7 @@
-"""The job's settings, one table (Config) from which the parser, the checks and what a resume keeps all come: every
-setting is a flag and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning. `python -m
-fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2 in one line."""
+"""The job's settings, one table (Config) from which the parser, the checks and the course a resume keeps all
+come: every setting is a flag and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning.
+`python -m fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: a bad
+setting ends there, exit 2 in one line."""
 
 import argparse
 import dataclasses
@@ -9,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import common, fetch
+from . import common, data
 
 OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 DEVICES = ("auto", "Ascend", "CPU")
@@ -21,18 +22,19 @@ LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_
               "must be auto, none, dynamic or a positive number")
 
 
-def is_positive_number(text):  # as float() reads it: 1024, 0.5 and 1e3 are; 0, inf, nan and ² are not
+def is_positive_number(text):
+    """As float() reads it: 1024, 0.5 and 1e3 are; 0, inf, nan and ² are not."""
     try:
         return 0 < float(text) < math.inf
     except ValueError:
         return False
 
 
-def setting(default, help, env="", choices=(), check=None, course=False):  # noqa: A002 (argparse's word)
-    """A field of Config: its default, help, variable (else the flag in capitals), choices, check, and whether it
-    shapes the training's course, which a resume must keep (where things are and how long to train do not)."""
-    return dataclasses.field(default=default, metadata={"help": help, "env": env, "choices": choices,
-                                                         "check": check, "course": course})
+def setting(default, help, choices=(), check=None, course=False):  # noqa: A002 (argparse's word)
+    """A field of Config: its default, help, choices, check, and whether it shapes the training's course, which a
+    resume must keep (where things are and how long to train do not)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "check": check,
+                                                         "course": course})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Config:
                                     "0: at the end of each epoch only", check=NON_NEGATIVE)
     keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=POSITIVE)
     predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit")
-    experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name", env="MLFLOW_EXPERIMENT_NAME")
+    experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name")
     run_name: str = setting("", "MLflow run name (default: MLflow picks one)")
     tracking: str = setting("on", "on: the MLflow journal in the output dir, sent as the job goes; offline: the "
                             "journal only, for `python -m fmnist.tracking sync`; off: none",
@@ -88,6 +90,8 @@ class Config:
 
 FIELDS = dataclasses.fields(Config)
 COURSE = frozenset(f.name for f in FIELDS if f.metadata["course"])
+# A setting's variable is its name in capitals, but for MLflow's own.
+VARIABLES = {"experiment": "MLFLOW_EXPERIMENT_NAME"}
 
 
 def flag(field):
@@ -95,7 +99,7 @@ def flag(field):
 
 
 def variable(field):
-    return field.metadata["env"] or field.name.upper()
+    return VARIABLES.get(field.name, field.name.upper())
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -110,7 +114,7 @@ def build_parser():
         prog="main.py", description="Data-parallel LeNet on Fashion-MNIST (MindSpore, msrun, MLflow). "
                     "Each flag defaults from the environment variable named in brackets.")
     for f in FIELDS:
-        # argparse converts a string default with `type`, so a bad environment value fails like a bad flag.
+        # argparse converts a string default with `type`, so a bad variable fails like a bad flag.
         parser.add_argument(flag(f), type=f.type, default=os.environ.get(variable(f), f.default),
                             choices=f.metadata["choices"] or None,
                             help=f"{f.metadata['help']} [{variable(f)}; default: {f.default}]")
@@ -165,34 +169,26 @@ def check_against_data(cfg, world_size, train_count, test_count):
                             f"images a step, but the training set has {train_count}: {fix} (flag or BATCH_SIZE)")
 
 
-def data_counts(data_dir, checksums):
-    """(training images, test images) from the label files when all four are there, else None (the job verifies)."""
-    if not all(fetch.local_copy(data_dir, name) for name in checksums):
-        return None
-    try:
-        return tuple(len(fetch.parse_idx(fetch.local_copy(data_dir, f"{split}-labels-idx1-ubyte").read_bytes()))
-                     for split in ("train", "t10k"))
-    except (OSError, ValueError):
-        return None
-
-
 def main(argv):
     """run.sh's check before msrun starts: every check that needs no MindSpore and no download."""
     try:
         if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
             raise common.UsageError("usage: python -m fmnist.settings WORLD_SIZE [main.py flags...]")
         cfg = parse_config(argv[1:])
-        checksums = fetch.load_checksums(cfg.checksums_file)
-        if cfg.loss_scale == "dynamic":  # the one setting the device decides on, the one check needing MindSpore
+        checksums = data.load_checksums(cfg.checksums_file)
+        # The one setting the device decides on, and so the one check that needs MindSpore.
+        if cfg.loss_scale == "dynamic":
             from . import distributed
             resolve_precision(cfg.amp, cfg.loss_scale, distributed.resolve_device(cfg.device))
-        if os.environ.get("NODE_RANK", "0") == "0":  # only node 0's job writes there, and holds its lock
+        # Only node 0's job writes there, and holds its lock.
+        if os.environ.get("NODE_RANK", "0") == "0":
             common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
-        counts = data_counts(cfg.data_dir, checksums)
-        if counts is None:  # the job will fetch them there, under this lock (which waits for another's fetch)
+        sizes = data.sizes(cfg.data_dir, checksums)
+        if sizes is None:
+            # The job will fetch the data there, under this lock, which waits for another job's fetch.
             common.hold_lock(cfg.data_dir / ".lock", f"--data-dir {cfg.data_dir}", wait=True, probe=True).close()
         else:
-            check_against_data(cfg, int(argv[0]), *counts)
+            check_against_data(cfg, int(argv[0]), *sizes)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE

@@ -4,6 +4,7 @@ later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill 
 recorded position) is harmless: MLflow keeps one copy of equal metric points. docs/tracking.md has the rules."""
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import common, serving
+from . import common, data
 from .common import log
 
 JOURNAL, POSITION = "mlflow-journal.jsonl", "mlflow-journal.position"  # in the output directory
@@ -29,13 +30,67 @@ RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)
 START_WAIT_S = 15  # what training waits for the run's creation to be tried
 STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
 PACKAGE_DIR = Path(__file__).resolve().parent
+# The served model's loader, by name: importing it here would load MindSpore into `sync`.
+SERVING_MODULE = "fmnist.serving"
 
 
-def transient(exc):  # worth retrying: unreachable, timed out, 429 or 5xx
+def transient(exc):
+    """Whether a failure is worth retrying: unreachable, timed out, 429 or 5xx."""
     from mlflow.exceptions import MlflowException
     if isinstance(exc, MlflowException):
         return exc.get_http_status_code() in (429, *range(500, 600))
     return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
+
+
+class Journal:
+    """An append-only file of JSON lines, each written whole; read back from any byte offset."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.appended = threading.Condition()
+        # Its size before this process's first line, for a rollback.
+        self.size_before = None
+
+    def append(self, op, **fields):
+        # json.dumps refuses a value it could not read back, before anything is written.
+        line = json.dumps({"op": op, **fields}) + "\n"
+        with self.appended, common.catch_full_disk(self.path):
+            if self.size_before is None:
+                self.size_before = self.path.stat().st_size if self.path.exists() else 0
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(line)
+            self.appended.notify_all()
+
+    def rollback(self):
+        """Remove what this process appended."""
+        if self.size_before is not None:
+            os.truncate(self.path, self.size_before)
+
+    def read_from(self, offset):
+        """[(offset after the line, the line's object)] of the whole lines after `offset`."""
+        lines = []
+        if self.path.exists():
+            with open(self.path, "rb") as journal:
+                journal.seek(offset)
+                for line in journal:
+                    # A line without its newline is still being written.
+                    if not line.endswith(b"\n"):
+                        break
+                    offset += len(line)
+                    lines.append((offset, json.loads(line)))
+        return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the run starts with: where it goes, its parameters, tags and datasets, and whether it continues."""
+
+    experiment: str
+    name: str
+    params: dict
+    tags: dict
+    datasets: list
+    continues: bool = False
 
 
 class Sender:
@@ -44,15 +99,17 @@ class Sender:
     def __init__(self, output_dir):
         import mlflow
         os.environ.update({name: value for name, value in MLFLOW_DEFAULTS.items() if name not in os.environ})
-        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # the sender's own line says it
+        # The sender's own line says what urllib3 would.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         self.journal, self.position = Path(output_dir) / JOURNAL, Path(output_dir) / POSITION
         state = json.loads(self.position.read_text()) if self.position.exists() else {}
         self.offset, self.run_id = state.get("offset", 0), state.get("run_id")
         self.mlflow, self.uri, self.client = mlflow, mlflow.get_tracking_uri(), None
         self.failures, self.refused = 0, None
 
-    def unsent(self):  # [(offset after the line, operation)]
-        return common.Journal(self.journal).read_from(self.offset)
+    def unsent(self):
+        """[(offset after the line, operation)] of what waits."""
+        return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
         """Send what waits, in order; True when nothing is left. Retries transient failures until stopping()."""
@@ -71,7 +128,8 @@ class Sender:
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                if op["op"] == "start" and isinstance(exc, self.mlflow.MlflowException):  # refused: bad input
+                # A refused start is bad input.
+                if op["op"] == "start" and isinstance(exc, self.mlflow.MlflowException):
                     self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
                     raise common.UsageError(self.refused) from None
                 log.warning("MLflow: %s not logged, skipped: %s", op["op"], common.first_line(exc))
@@ -114,12 +172,17 @@ class Sender:
         experiment = self.client.get_experiment_by_name(op["experiment"])
         experiment_id = (experiment.experiment_id if experiment
                          else self.client.create_experiment(op["experiment"], tags=EXPERIMENT_TAGS))
-        self.run_id = self.client.create_run(experiment_id, tags=tags, run_name=op["run_name"] or None).info.run_id
+        run = self.client.create_run(experiment_id, tags=tags, run_name=op["run_name"] or None)
+        self.run_id = run.info.run_id
         self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in op["params"].items()])
-        self.client.log_inputs(self.run_id, [DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", c)])
-                                             for c, fields in op["datasets"]])
-        page = self.uri if not self.uri.startswith(("http://", "https://")) else (  # the UI's model-training view
-            f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}?workflowType=machine_learning")
+        self.client.log_inputs(self.run_id, [
+            DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", context)])
+            for context, fields in op["datasets"]])
+        page = self.uri
+        if self.uri.startswith(("http://", "https://")):
+            # The UI's model-training view of the run.
+            page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
+                    "?workflowType=machine_learning")
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
@@ -127,13 +190,15 @@ class Sender:
         is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
-        with warnings.catch_warnings(action="ignore", category=UserWarning):  # that int columns cannot hold NaN
+        # MLflow warns that integer columns cannot hold NaN: the predictions have none.
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
             signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
             info = self.mlflow.pyfunc.log_model(
-                name="model", loader_module=serving.__name__, data_path=op["mindir"], code_paths=[str(PACKAGE_DIR)],
-                signature=signature, input_example=example, registered_model_name=op["register_as"] or None,
-                pip_requirements=str(PACKAGE_DIR.parent / "requirements.txt"), await_registration_for=60)
+                name="model", loader_module=SERVING_MODULE, data_path=op["mindir"],
+                code_paths=[str(PACKAGE_DIR)], signature=signature, input_example=example,
+                registered_model_name=op["register_as"] or None, await_registration_for=60,
+                pip_requirements=str(PACKAGE_DIR.parent / "requirements.txt"))
         if op["register_as"]:
             self.client.set_model_version_tag(op["register_as"], info.registered_model_version, "test_accuracy",
                                               f"{op['test_accuracy']:.4f}")
@@ -154,7 +219,7 @@ class Tracker:
 
     def __init__(self, output_dir, online, node, wait_s):
         self.output_dir, self.online, self.wait_s = Path(output_dir), online, wait_s
-        self.journal, self.node = common.Journal(Path(output_dir) / JOURNAL), node
+        self.journal, self.node = Journal(Path(output_dir) / JOURNAL), node
         self.sender = self.thread = None
         self.finishing, self.system_stopped = threading.Event(), threading.Event()
 
@@ -162,12 +227,12 @@ class Tracker:
     def run_id(self):
         return self.sender and self.sender.run_id
 
-    def start(self, experiment, run_name, params, tags, datasets, continues):
+    def start(self, run):
         """Journal the run's start with MLflow's context tags (user, source, commit); online, await the answer."""
         import mlflow
-        params = {key: str(value) for key, value in params.items()}
-        self.journal.append("start", experiment=experiment, run_name=run_name, params=params, datasets=datasets,
-                            tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
+        self.journal.append("start", experiment=run.experiment, run_name=run.name, datasets=run.datasets,
+                            params={key: str(value) for key, value in run.params.items()},
+                            tags=mlflow.tracking.context.registry.resolve_tags(run.tags), continues=run.continues)
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
@@ -193,7 +258,8 @@ class Tracker:
                             predictions=predictions.to_dict(orient="list"), register_as=register_as,
                             test_accuracy=float(test_accuracy))
 
-    def finish(self, status, timeout=None):  # online, the sender has `timeout` seconds for what is left
+    def finish(self, status, timeout=None):
+        """The run's end journaled; online, the sender has `timeout` seconds (else --tracking-wait) for the rest."""
         self.system_stopped.set()
         self.journal.append("end", status=status)
         if not self.online:
@@ -208,11 +274,13 @@ class Tracker:
 
     def _follow(self):
         while True:
-            finishing = self.finishing.is_set()  # before reading: once it is set, the end is in the journal
+            # Read before the journal: once it is set, the end is in the journal.
+            finishing = self.finishing.is_set()
             try:
                 if self.sender.send_unsent(stopping=self.finishing.is_set) and finishing:
                     return
-            except common.UsageError:  # the start refused: Tracker.start says it
+            except common.UsageError:
+                # The start was refused: Tracker.start says so.
                 return
             except Exception as exc:
                 log.warning("MLflow: the sender failed (%s); the journal keeps the rest", common.first_line(exc))
@@ -222,8 +290,9 @@ class Tracker:
     def _sample_system(self):
         """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the finish."""
         from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
-        monitors, step = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()], 0
-        while not self.system_stopped.wait(float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)):
+        monitors = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()]
+        interval_s, step = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10), 0
+        while not self.system_stopped.wait(interval_s):
             try:
                 values = {}
                 for monitor in monitors:
@@ -246,20 +315,22 @@ def dataset_entities(splits, checksums, sources):
     """The splits as MLflow dataset entities, [(context, fields)], their digests from the data's checksums."""
     import mlflow
     entities = []
-    for context, split, part in (("training", "train", splits.train), ("evaluation", "t10k", splits.test)):
-        names = [f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"]
-        digest = hashlib.sha256("".join(checksums[n] for n in names).encode()).hexdigest()[:32]
-        with warnings.catch_warnings(action="ignore", category=UserWarning):  # a local path: two kinds of source
-            entity = mlflow.data.from_numpy(part.images, targets=part.labels, source=sources.get(names[0], ""),
-                                            name=f"fashion-mnist-{split}", digest=digest)._to_mlflow_entity()
-        entities.append((context, entity.to_dictionary()))
+    for context, split, part in (("training", "train", splits.train), ("evaluation", "test", splits.test)):
+        names = data.FILES[split]
+        digest = hashlib.sha256("".join(checksums[name] for name in names).encode()).hexdigest()[:32]
+        # MLflow warns that a local path could be two kinds of source.
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
+            dataset = mlflow.data.from_numpy(part.images, targets=part.labels, source=sources.get(names[0], ""),
+                                             name=f"{data.NAME}-{split}", digest=digest)
+        entities.append((context, dataset._to_mlflow_entity().to_dictionary()))
     return entities
 
 
 def main(argv=None):
     """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent, 1 the server stayed away, 2 refused or bad input."""
     parser = argparse.ArgumentParser(prog="python -m fmnist.tracking", description="Send a job's MLflow journal.")
-    sync = parser.add_subparsers(dest="command", required=True).add_parser("sync", help="send OUTPUT_DIR's journal")
+    commands = parser.add_subparsers(dest="command", required=True)
+    sync = commands.add_parser("sync", help="send OUTPUT_DIR's journal")
     sync.add_argument("output_dir", type=Path, help="the job's --output-dir")
     sync.add_argument("--timeout", type=float, default=60, help="seconds to retry an unreachable server")
     args = parser.parse_args(argv)
@@ -267,7 +338,8 @@ def main(argv=None):
     try:
         if not (args.output_dir / JOURNAL).exists():
             raise common.UsageError(f"{args.output_dir} holds no MLflow journal ({JOURNAL})")
-        with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):  # a running job sends its own
+        # A running job sends its own journal: sync waits its turn.
+        with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
             sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
     except common.UsageError as exc:

@@ -4,13 +4,14 @@ import gzip
 import os
 import re
 import threading
+import time
 import types
 
 import numpy as np
 import pytest
 
 import main
-from fmnist import checkpoints, common, data, distributed, fetch, model, monitor, settings, tracking
+from fmnist import checkpoints, common, data, distributed, fetch, model, settings, tracking
 from conftest import ROOT, idx_bytes, make_split, small_volume
 
 
@@ -65,7 +66,7 @@ def test_one_hot():
 def test_evaluation_loss_is_the_cross_entropy_computed_stably():
     logits = np.array([[2.0, 1.0, 0.1], [1000.0, 0.0, -1000.0]])
     labels = np.array([[1.0, 0, 0], [0, 1.0, 0]])
-    evaluation = monitor.Evaluation(distributed.Collective(0, 0, 1), 3)
+    evaluation = distributed.Evaluation(distributed.Collective(0, 0, 1), 3)
     evaluation.update(FakeTensor(logits), FakeTensor(labels))
     expected0 = -np.log(np.exp(2.0) / np.exp(logits[0]).sum())
     assert evaluation.eval()["loss"] == pytest.approx((expected0 + 1000.0) / 2)
@@ -93,7 +94,7 @@ def test_evaluation_counts_every_sample_once_across_ranks():
     # This rank: 2 samples, 1 correct. The other rank: 3 samples, all of class 0 and right -> 4/5, not
     # mean(0.5, 1.0); its loss sum is 3.0.
     other = np.append(3.0, np.array([[3, 0], [0, 0]]).ravel())
-    evaluation = monitor.Evaluation(FakeCollective(other), 2)
+    evaluation = distributed.Evaluation(FakeCollective(other), 2)
     logits, labels = np.array([[0.9, 0.1], [0.9, 0.1]]), np.array([[1.0, 0.0], [0.0, 1.0]])
     evaluation.update(FakeTensor(logits), FakeTensor(labels))
     figures = evaluation.eval()
@@ -156,8 +157,8 @@ def test_checksums_file_must_cover_all_four_files(tmp_path):
     path = tmp_path / "sums"
     path.write_text("ab  train-images-idx3-ubyte.gz\n")
     with pytest.raises(common.UsageError, match="no checksum for t10k-images-idx3-ubyte"):
-        fetch.load_checksums(str(path))
-    assert fetch.load_checksums("") == fetch.FASHION_MNIST_SHA256
+        data.load_checksums(str(path))
+    assert data.load_checksums("") == data.CHECKSUMS
 
 
 def test_lenet_is_the_articles_layers_and_parameter_count():
@@ -188,19 +189,22 @@ def test_weights_fingerprint_changes_with_any_weight():
 
 def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
     images, labels = np.arange(100).reshape(100, 1), np.arange(100)
-    shards = [data.ShardBatches(images, labels, 8, rank, 3, seed=7) for rank in range(3)]
+    inputs = data.Split(images, labels)
+    shards = [main.Shard(inputs, 8, rank, 3, seed=7) for rank in range(3)]
     assert [len(s) for s in shards] == [4, 4, 4]  # 100 // (8 * 3) whole batches per rank
     first = [np.concatenate([y for _, y in shard]) for shard in shards]
     seen = np.concatenate(first)
     assert len(seen) == len(set(seen.tolist())) == 96  # no sample twice; the remainder is dropped
     second = np.concatenate([y for _, y in shards[0]])
     assert not np.array_equal(first[0], second)  # a new order every epoch
-    resumed = data.ShardBatches(images, labels, 8, 0, 3, seed=7, epoch=1)
+    resumed = main.Shard(inputs, 8, 0, 3, seed=7)
+    resumed.epoch = 1
     np.testing.assert_array_equal(np.concatenate([y for _, y in resumed]), second)  # same order after resume
-    mid_epoch = data.ShardBatches(images, labels, 8, 0, 3, seed=7, epoch=1, skip=3)
+    mid_epoch = main.Shard(inputs, 8, 0, 3, seed=7)
+    mid_epoch.epoch, mid_epoch.skip = 1, 3
     assert len(mid_epoch) == 1 and mid_epoch.steps_per_epoch == 4
     np.testing.assert_array_equal(np.concatenate([y for _, y in mid_epoch]), second[24:])  # the rest of it
-    for x, y in data.ShardBatches(images, labels, 8, 1, 3, seed=7):
+    for x, y in main.Shard(inputs, 8, 1, 3, seed=7):
         np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
 
 
@@ -309,34 +313,40 @@ class RecordingTracker(tracking.NullTracker):
         self.logged.append((step, dict(metrics)))
 
 
-def test_dynamic_loss_scale_and_skipped_steps_are_logged():
-    """The outputs of MindSpore's TrainOneStepWithLossScaleCell, (loss, overflowed, scale), as the monitor sees
+def tiny_training(output_dir, **changes):
+    """A one-process Training of 4 steps an epoch on 32 generated images, its journal a RecordingTracker."""
+    cfg = settings.Config(epochs=1, batch_size=8, log_interval=2, output_dir=output_dir, **changes)
+    job = main.Job(cfg, {}, "CPU", "O0", "none", {}, distributed.Collective(0, 0, 1), 1, None)
+    split = data.Split(*make_split(32, seed=0))
+    training = main.Training(job, data.Splits(split, split), main.Startup())
+    training.resume()
+    training.tracker = RecordingTracker()
+    return training
+
+
+def test_dynamic_loss_scale_and_skipped_steps_are_logged(tmp_path):
+    """The outputs of MindSpore's TrainOneStepWithLossScaleCell, (loss, overflowed, scale), as the callback sees
     them; the cell itself needs an Ascend device."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
-    tracker = RecordingTracker()
-    progress = monitor.Progress(steps_per_epoch=4)
-    cfg = settings.Config(epochs=1, batch_size=8, log_interval=2)
-    training = monitor.TrainingMonitor(cfg, distributed.Collective(0, 0, 1), tracker, progress, monitor.Laps(), 10)
+    training = tiny_training(tmp_path)
     training.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
-        training.on_train_step_end(FakeRunContext(net_outputs=outputs, cur_epoch_num=1, batch_num=4))
-    assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in tracker.logged] == [
+        training.on_train_step_end(FakeRunContext(net_outputs=outputs))
+    assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in training.tracker.logged] == [
         (2, 1, 32768.0), (4, 3, 16384.0)]
-    assert progress.skipped_steps == 3
+    assert training.skipped_steps == 3
 
 
-def test_a_non_finite_loss_stops_training_even_with_the_divergence_check_off():
+def test_a_non_finite_loss_stops_training_even_with_the_divergence_check_off(tmp_path):
     """The one check --divergence-check off keeps: an exploded but finite loss trains on, a NaN stops."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
-    cfg = settings.Config(epochs=1, batch_size=8, log_interval=2, lr=1e8, divergence_check="off")
-    training = monitor.TrainingMonitor(cfg, distributed.Collective(0, 0, 1), RecordingTracker(),
-                                       monitor.Progress(steps_per_epoch=4), monitor.Laps(), 10)
+    training = tiny_training(tmp_path, lr=1e8, divergence_check="off")
     training.on_train_epoch_begin(None)
     for loss in (1e30, 1e30, float("nan")):
-        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(loss, ms.float32), cur_epoch_num=1))
-    with pytest.raises(monitor.Diverged, match=r"training loss nan at step 4 \(epoch 1\)"):
-        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(1.0, ms.float32), cur_epoch_num=1))
+        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(loss, ms.float32)))
+    with pytest.raises(main.Diverged, match=r"training loss nan at step 4 \(epoch 1\)"):
+        training.on_train_step_end(FakeRunContext(net_outputs=ms.Tensor(1.0, ms.float32)))
 
 
 @pytest.mark.parametrize("variable, value, message", [
@@ -355,13 +365,16 @@ def test_choices_are_checked_for_values_from_the_environment(monkeypatch, variab
 def test_checkpoint_names_sort_as_the_training_went(tmp_path):
     Position = checkpoints.Position
     positions = [Position(1), Position(1, 16), Position(1, 200), Position(2), Position(2, 5)]
-    paths = [checkpoints.checkpoint_path(tmp_path, p) for p in positions]
+    paths = [tmp_path / p.file_name for p in positions]
     names = ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt", "epoch-0002.ckpt",
              "epoch-0003-step-000005.ckpt"]
     assert [path.name for path in paths] == names
+    assert [Position.of_file(name) for name in names] == positions
     for path in reversed(paths):  # made in the reverse order, so that no time order helps
         path.touch()
-    assert checkpoints.newest_first(tmp_path) == paths[::-1] and Position(1, 16).global_step(256) == 272
+    assert checkpoints.newest_first(tmp_path) == paths[::-1]
+    assert Position(1, 16).steps(256) == 272 and Position.after(272, 256) == Position(1, 16)
+    assert Position.after(512, 256) == Position(2)
 
 
 def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
@@ -373,28 +386,26 @@ def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
 
 
 def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
-    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.Position(1, 0), restarts=2, history=[],
-                                  loss_points=[])
-    (tmp_path / "last-step").write_text(f"{300:12d} {990.0:20.6f}\n")  # as the stopped job left it
-    progress = monitor.Progress(steps_per_epoch=290, position=checkpoints.Position(1, 1), steps_done=1)
-    tracker = RecordingTracker()
-    saver = checkpoints.CheckpointSaver(tmp_path, 3, 0, progress, tracker, {}, resumed)
-    saver.log_restart_cost(291)
-    [(step, cost)] = tracker.logged
-    assert step == 291 and cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
-    assert cost["restart_total_s"] > 0
+    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.State(290), restarts=2)
+    (tmp_path / "checkpoints").mkdir()
+    # As the stopped job left it: step 300, done at 990 s after the epoch.
+    (tmp_path / "checkpoints" / "last-step").write_text(f"{300:12d} {990.0:20.6f}\n")
+    saver = checkpoints.Checkpoints(settings.Config(output_dir=tmp_path), {}, resumed, 290)
+    saver.mark(291)
+    cost = saver.restart_cost()
+    assert cost["restarts"] == 3 and cost["restart_steps_lost"] == 10
+    assert cost["restart_total_s"] == pytest.approx(time.time() - 990.0, abs=5)
 
 
 def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
     """The record's first write takes a block: on a full volume that is the job's exit 4, not a traceback."""
     with small_volume(tmp_path / "volume", "64k") as volume:
-        saver = checkpoints.CheckpointSaver(volume / "checkpoints", 3, 0, monitor.Progress(steps_per_epoch=10),
-                                            None, {})
+        saver = checkpoints.Checkpoints(settings.Config(output_dir=volume), {}, None, 10)
         with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
             while True:
                 filler.write(b"\0" * 4096)
         with pytest.raises(common.DiskFull, match=r"no space left on the device of .*/checkpoints/last-step"):
-            saver.mark()
+            saver.mark(1)
 
 
 def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, monkeypatch, caplog):
@@ -402,7 +413,7 @@ def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, 
     position past it, and the rest of the journal sent."""
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED  # pylint: disable=import-outside-toplevel
-    journal = common.Journal(tmp_path / tracking.JOURNAL)
+    journal = tracking.Journal(tmp_path / tracking.JOURNAL)
     journal.append("metrics", step=1, timestamp=0, values={"train_loss": 1.0})
     journal.append("end", status="FINISHED")
     tried = []
