@@ -4,10 +4,10 @@
     msrun --worker_num=2 --local_worker_num=2 --join=True python main.py    # two data-parallel workers
     ./run.sh                                                                # msrun, one worker per device
 
-The same file runs on Ascend NPUs (HCCL; float16 under amp O2) and on CPU (MindSpore's own collective). Every
-setting is a flag and a variable (--help); those that matter most are --epochs, --batch-size (per device), --lr
-and --output-dir. With the defaults, 2 CPU workers train 10 epochs in about a minute to a test accuracy of
-0.8726, and write outputs/summary.json, the model, its pictures and an MLflow run.
+The same file runs on Ascend NPUs (HCCL; float16 under amp O2) and on CPU (MindSpore's own collective).
+Every setting is a flag and a variable (--help); those that matter most are --epochs, --batch-size (per
+device), --lr and --output-dir. With the defaults, 2 CPU workers train 10 epochs in about a minute to a test
+accuracy of 0.8726, and write outputs/summary.json, the model, its pictures and an MLflow run.
 
 It reads in the order the job runs: the job's place in msrun, the data each rank trains on, the model, the
 training as one Model callback, the tracking, the end; then main(), one call per stage. fmnist/ holds the
@@ -78,20 +78,21 @@ def join_job(cfg):
     job = Job(cfg, data.load_checksums(cfg.checksums_file), device, amp_level, loss_scaling, cpu,
               distributed.Collective(rank, local_rank, world_size), local_workers, lock)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
-    log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA cap "
-             "%s, settings %s", rank, world_size, os.getpid(), device, amp_level, loss_scaling, threads,
+    log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA "
+             "cap %s, settings %s", rank, world_size, os.getpid(), device, amp_level, loss_scaling, threads,
              sorted(os.sched_getaffinity(0)), isa_cap, json.dumps(dataclasses.asdict(cfg), default=str))
     return job
 
 
 def get_data(job):
-    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), where each
-    file came from, and the job with its settings checked against the data (a default fitted to it)."""
+    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), where
+    each file came from, and the job with its settings checked against the data (a default fitted to it)."""
     cfg, collective = job.cfg, job.collective
     fetch = functools.partial(data.make_available, cfg, job.checksums, say=log.info)
     sources = collective.wait_for(fetch if collective.is_local_main else None) or {}
     splits = data.load_splits(cfg.data_dir)
-    cfg = settings.check_against_data(cfg, collective.world_size, len(splits.train.labels), len(splits.test.labels))
+    sizes = len(splits.train.labels), len(splits.test.labels)
+    cfg = settings.check_against_data(cfg, collective.world_size, *sizes)
     return dataclasses.replace(job, cfg=cfg), splits, sources
 
 
@@ -99,9 +100,9 @@ def get_data(job):
 
 
 class Shard:
-    """This rank's share of the training set, epoch after epoch in whole batches, as GeneratorDataset reads it.
-    Rank r takes the r-th block of the permutation of (seed, epoch): shards are disjoint, and a job resumed `skip`
-    steps into an epoch trains what an unbroken one would."""
+    """This rank's share of the training set, epoch after epoch in whole batches, as GeneratorDataset reads
+    it. Rank r takes the r-th block of the permutation of (seed, epoch): shards are disjoint, and a job
+    resumed `skip` steps into an epoch trains what an unbroken one would."""
 
     def __init__(self, inputs, batch_size, rank, world_size, seed):
         self.images, self.labels = inputs.images, inputs.labels
@@ -125,8 +126,8 @@ class Shard:
             yield self.images[batch], self.labels[batch]
 
     def dataset(self, epoch, skip=0):
-        """The batches for Model.fit from `epoch` (from 0) on, `skip` steps into it. With `skip`, for the rest of
-        that epoch only: MindSpore fixes a dataset's length for all its epochs."""
+        """The batches for Model.fit from `epoch` (from 0) on, `skip` steps into it. With `skip`, for the
+        rest of that epoch only: MindSpore fixes a dataset's length for all its epochs."""
         shard = copy.copy(self)
         shard.epoch, shard.skip = epoch, skip
         return ms.dataset.GeneratorDataset(shard, column_names=["image", "label"], shuffle=False,
@@ -139,8 +140,8 @@ def model_input(split):
 
 
 def eval_dataset(test, batch_size, collective):
-    """This rank's test samples, every world_size-th from its rank on, in batches. The framework's sampler pads
-    shards to equal length by repeating samples, which would count some twice."""
+    """This rank's test samples, every world_size-th from its rank on, in batches. The framework's sampler
+    pads shards to equal length by repeating samples, which would count some twice."""
     mine = slice(collective.rank, None, collective.world_size)
     inputs = model_input(data.Split(test.images[mine], test.labels[mine]))
     batches = [(inputs.images[i:i + batch_size], inputs.labels[i:i + batch_size])
@@ -178,10 +179,10 @@ def build_model(job, evaluation):
 # --- The training: one Model callback that owns its state and its clock
 
 
-# An untrained network's loss is ln C and its accuracy 1 / C, for C classes. With --divergence-check on, besides
-# a non-finite loss: a training loss over EXPLODED times ln C is blowing up; and from JUDGED_AFTER_STEPS steps
-# on, an epoch that ends at most CHANCE_MARGIN / C accurate or at least UNTRAINED_LOSS_MARGIN times ln C in loss
-# has learned nothing (dead ReLUs, or a learning rate too small to move it).
+# An untrained network's loss is ln C and its accuracy 1 / C, for C classes. With --divergence-check on,
+# besides a non-finite loss: a training loss over EXPLODED times ln C is blowing up; and from
+# JUDGED_AFTER_STEPS steps on, an epoch that ends at most CHANCE_MARGIN / C accurate or at least
+# UNTRAINED_LOSS_MARGIN times ln C in loss has learned nothing (dead ReLUs, or a learning rate too small).
 EXPLODED = 10
 JUDGED_AFTER_STEPS = 200
 CHANCE_MARGIN = 1.2
@@ -194,7 +195,8 @@ class Diverged(Exception):
 
 
 class Startup:
-    """The job's phases on the way to its first step, each timed as it ends: lap("join") after joining, etc."""
+    """The job's phases on the way to its first step, each timed as it ends: lap("join") after joining,
+    etc."""
 
     def __init__(self):
         self.started, self.phases = time.perf_counter(), {}
@@ -205,10 +207,10 @@ class Startup:
 
 class Training(Callback):
     """The training, and the one owner of its state: the network and its Model, this rank's shard and test
-    slice, the tracker, rank 0's checkpoints, and the clock, `steps`, the global steps done since the training
-    began (a resumed job counts on). Model.fit calls it as a loop would run: after each step, the checkpoint when
-    it is due; every log interval one gather (the loss, a stop request), the divergence check, the progress line
-    and the tracking; at each epoch's end, the validation."""
+    slice, the tracker, rank 0's checkpoints, and the clock, `steps`, the global steps done since the
+    training began (a resumed job counts on). Model.fit calls it as a loop would run: after each step, the
+    checkpoint when it is due; every log interval one gather (the loss, a stop request), the divergence
+    check, the progress line and the tracking; at each epoch's end, the validation."""
 
     def __init__(self, job, splits, startup):
         super().__init__()
@@ -222,12 +224,12 @@ class Training(Callback):
         self.tracker = tracking.NullTracker()
         self.checkpoints = self.resumed = None
         self.steps = self.resumed_steps = 0
-        # Each epoch's figures and the loss curve's (epoch as a fraction, loss) points, those before a resume too.
+        # Each epoch's figures, and the loss curve's points (epoch as a fraction, loss), a resume's too.
         self.history, self.loss_points = [], []
         # The latest validation's confusion matrix, and the steps dynamic loss scaling skipped for overflows.
         self.confusion, self.skipped_steps = None, 0
         self.first_step_s = self.first_step_at = None
-        # SIGTERM becomes a request that the ranks agree on; one agreed at an epoch's end waits for its checkpoint.
+        # SIGTERM becomes a request the ranks agree on; one agreed at an epoch's end waits for its checkpoint.
         self.stop, self.stop_after_epoch = distributed.StopRequest(), 0
         self._loss_sum = self._overflows = self._loss_scale = None
         # The loss and the accuracy of a network that learned nothing (see EXPLODED and CHANCE_MARGIN above).
@@ -244,7 +246,8 @@ class Training(Callback):
     def resume(self):
         """The newest good checkpoint of this training loaded, or none, as every rank agrees."""
         directory, network = self.cfg.output_dir / "checkpoints", self.model.train_network
-        course = checkpoints.course(self.cfg, {**self.job.resolved, "data_sha256": self.job.checksums}, network)
+        resolved = {**self.job.resolved, "data_sha256": self.job.checksums}
+        course = checkpoints.course(self.cfg, resolved, network)
         if self.cfg.resume == "auto":
             self.resumed = checkpoints.load_latest(directory, network, course, self.steps_per_epoch)
         checkpoints.agree_on_resume(self.collective, self.resumed, directory)
@@ -259,7 +262,8 @@ class Training(Callback):
             self.checkpoints = checkpoints.Checkpoints(self.cfg, course, self.resumed, self.steps_per_epoch)
 
     def compile(self):
-        """The training step compiled before Model.fit, which reuses the graph, so that its cost shows apart."""
+        """The training step compiled before Model.fit, which reuses the graph, so that its cost shows
+        apart."""
         network, batch = self.model.train_network, self.shard.batch_size
         network.set_train()
         network.compile(Tensor(self.shard.images[:batch]), Tensor(self.shard.labels[:batch]))
@@ -268,7 +272,8 @@ class Training(Callback):
         """Model.fit from where the training is, validating after each epoch: the rest of an interrupted epoch
         as a fit of its own (a dataset's length is fixed for all its epochs), then the whole epochs left."""
         epoch, step = self.position.epoch, self.position.step
-        fit = {"valid_dataset": self.eval_set, "valid_frequency": 1, "callbacks": [self], "dataset_sink_mode": False}
+        fit = {"valid_dataset": self.eval_set, "valid_frequency": 1, "callbacks": [self],
+               "dataset_sink_mode": False}
         if step and epoch < self.cfg.epochs:
             self.model.fit(epoch + 1, self.shard.dataset(epoch, skip=step), initial_epoch=epoch, **fit)
             epoch += 1
@@ -317,7 +322,7 @@ class Training(Callback):
             self.tracker.log_metrics(cost, step=self.steps)
 
     def _log_interval(self, epoch_ends):
-        # One gather carries each rank's loss and whether it was asked to stop, so that all ranks decide alike.
+        # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
         mine = [float(self._loss_sum.asnumpy()) / self._interval_steps, self.stop.signum]
         per_rank, stop_signals = self.collective.all_gather(np.array(mine, dtype=np.float64)).T
         self._loss_sum, loss = None, per_rank.mean()
@@ -329,7 +334,7 @@ class Training(Callback):
             raise self.diverged(f"training loss {loss:.4g} {where}, over {EXPLODED} times the "
                                 f"{self.untrained_loss:.2f} of an untrained network")
         if stop_signals.any():
-            # At an epoch's last step the stop waits for the epoch's end: its validation belongs in the checkpoint.
+            # At an epoch's last step the stop waits for the epoch's end, whose validation it checkpoints.
             if not epoch_ends:
                 raise distributed.Terminated(int(stop_signals.max()), self.steps)
             self.stop_after_epoch = int(stop_signals.max())
@@ -341,8 +346,9 @@ class Training(Callback):
         steps_per_s = rate / self.global_batch
         epoch_left = common.duration((self.steps_per_epoch - step) / steps_per_s)
         training_left = common.duration((self.cfg.epochs * self.steps_per_epoch - self.steps) / steps_per_s)
-        log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s | epoch ends in %s, training in %s", epoch,
-                 self.cfg.epochs, step, self.steps_per_epoch, loss, f"{rate:,.0f}", epoch_left, training_left)
+        log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s | epoch ends in %s, training in %s",
+                 epoch, self.cfg.epochs, step, self.steps_per_epoch, loss, f"{rate:,.0f}", epoch_left,
+                 training_left)
         metrics = {"train_loss": loss, "train_samples_per_s": rate,
                    **{f"train_loss_rank{rank}": value for rank, value in enumerate(per_rank)}}
         if self._loss_scale is not None:
@@ -367,10 +373,11 @@ class Training(Callback):
         self._check_learning(figures)
         self.history.append(figures)
         if self.collective.is_main:
-            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | val_accuracy "
-                     "%.4f | training ends in %s", epoch, self.cfg.epochs, self._train_s,
+            training_left = common.duration((self.cfg.epochs - epoch) * (self._train_s + eval_s))
+            log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
+                     "val_accuracy %.4f | training ends in %s", epoch, self.cfg.epochs, self._train_s,
                      f"{figures['train_samples_per_s']:,.0f}", eval_s, figures["val_loss"],
-                     figures["val_accuracy"], common.duration((self.cfg.epochs - epoch) * (self._train_s + eval_s)))
+                     figures["val_accuracy"], training_left)
             # Per-epoch figures take the epoch as MLflow's step, so that their charts read in epochs.
             epoch_figures = {"train_s", "eval_s", "train_samples_per_s"}
             self.tracker.log_metrics({f"epoch_{k}" if k in epoch_figures else k: v
@@ -387,15 +394,16 @@ class Training(Callback):
         if self.cfg.divergence_check == "off" or self.steps < JUDGED_AFTER_STEPS:
             return
         if accuracy <= CHANCE_MARGIN * self.chance or loss >= UNTRAINED_LOSS_MARGIN * self.untrained_loss:
-            raise self.diverged(f"not learning: after epoch {epoch} ({self.steps} steps) the validation accuracy "
-                                f"is {accuracy:.4f} and the loss {loss:.4f}, against {self.chance:.2f} and "
-                                f"{self.untrained_loss:.2f} for guessing", exploded=False)
+            what = (f"not learning: after epoch {epoch} ({self.steps} steps) the validation accuracy is "
+                    f"{accuracy:.4f} and the loss {loss:.4f}, against {self.chance:.2f} and "
+                    f"{self.untrained_loss:.2f} for guessing")
+            raise self.diverged(what, exploded=False)
 
     def diverged(self, what, exploded=True):
         lr = self.cfg.lr
         advice = (f"Start again with a lower --lr (now {lr:g}) and --resume never" if exploded else
-                  f"Check --lr (now {lr:g}: lower if the loss exploded before, higher if it barely moved), then "
-                  "start again with --resume never; --divergence-check off trains on regardless")
+                  f"Check --lr (now {lr:g}: lower if the loss exploded before, higher if it barely moved), "
+                  "then start again with --resume never; --divergence-check off trains on regardless")
         return Diverged(f"{what}. {advice}")
 
 
@@ -417,7 +425,8 @@ def start_tracking(job, resumed, splits, sources):
         params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
                   "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
                   "mindspore_version": ms.__version__, "job_version": common.JOB_VERSION}
-        tags = {"device": job.device, "world_size": str(collective.world_size), "job_version": common.JOB_VERSION}
+        tags = {"device": job.device, "world_size": str(collective.world_size),
+                "job_version": common.JOB_VERSION}
         # An image has no .git for MLflow's git context to read: its build says which commit it is.
         if os.environ.get("GIT_COMMIT"):
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
@@ -456,8 +465,8 @@ def stop_early(training, exc):
             log.warning("%s; checkpoint %s written, the next start resumes from it", exc,
                         training.checkpoints.path(training.steps))
         else:
-            log.error("training diverged: %s; no final model was written, the checkpoints of the good epochs stay "
-                      "in %s", exc, training.checkpoints.directory)
+            log.error("training diverged: %s; no final model was written, the checkpoints of the good epochs "
+                      "stay in %s", exc, training.checkpoints.directory)
         # The others wait for rank 0's tracking.
         collective.wait_for(finish if collective.is_main else None)
     except common.DiskFull as full:
@@ -484,8 +493,8 @@ def report(training, splits):
         return 0
 
     if len(history) > cfg.epochs:
-        log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this job "
-                    "reports and writes", len(history), cfg.epochs)
+        log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this "
+                    "job reports and writes", len(history), cfg.epochs)
     precision = outputs.mixed_precision(training.model.train_network, training.net,
                                         model.build_network(len(data.CLASS_NAMES)),
                                         Tensor(data.to_model_input(splits.test.images[:8])))
@@ -525,8 +534,8 @@ def report(training, splits):
 
 
 def main(argv=None) -> int:
-    # MindSpore collects garbage before each graph compile: objects frozen here, the imports', are never scanned
-    # again, which saves seconds of a short job (docs/performance.md).
+    # MindSpore collects garbage before each graph compile: objects frozen here, the imports', are never
+    # scanned again, which saves seconds of a short job (docs/performance.md).
     gc.freeze()
     startup = Startup()
     try:

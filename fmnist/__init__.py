@@ -1,1 +1,2 @@
-"""The Fashion-MNIST job's modules, one per concern, used by main.py (docs/design.md); importing one starts nothing."""
+"""The Fashion-MNIST job's modules, one per concern, used by main.py (docs/design.md); importing one starts
+nothing."""

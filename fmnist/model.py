@@ -1,13 +1,15 @@
-"""The network, the other seam to replace for your own training: build_network(num_classes), a cell from float32
-[N, C, 28, 28] (data.to_model_input) to logits [N, num_classes]. Nothing else in the job knows its layers."""
+"""The network, the other seam to replace for your own training: build_network(num_classes), a cell from
+float32 [N, C, 28, 28] (data.to_model_input) to logits [N, num_classes]. Nothing else in the job knows its
+layers."""
 
 import mindspore as ms
 from mindspore import nn, ops
 
 
 class MaxPool2x2(nn.Cell):
-    """nn.MaxPool2d(2, 2) bit for bit, by adaptive max-pooling to half size on CPU: nn.MaxPool2d's oneDNN kernel
-    for plain NCHW under the AVX2 cap is its slow reference code (docs/performance.md, "Where a step goes")."""
+    """nn.MaxPool2d(2, 2) bit for bit, by adaptive max-pooling to half size on CPU: nn.MaxPool2d's oneDNN
+    kernel for plain NCHW under the AVX2 cap is its slow reference code (docs/performance.md, "Where a step
+    goes")."""
 
     def __init__(self):
         super().__init__()
@@ -22,8 +24,8 @@ class MaxPool2x2(nn.Cell):
 
 
 class LeNet(nn.Cell):
-    """The article's LeNet: two 5x5 `valid` convolutions (6 and 16 channels) each with ReLU and 2x2 max-pooling,
-    28 -> 24 -> 12 -> 8 -> 4, then dense 256-120-84-10; 44,426 parameters."""
+    """The article's LeNet: two 5x5 `valid` convolutions (6 and 16 channels) each with ReLU and 2x2
+    max-pooling, 28 -> 24 -> 12 -> 8 -> 4, then dense 256-120-84-10; 44,426 parameters."""
 
     def __init__(self, num_classes=10):
         super().__init__()

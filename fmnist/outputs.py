@@ -1,6 +1,6 @@
-"""The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as an
-MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix); and what
-mixed precision did, which summary.json reports. matplotlib is imported late: only rank 0 draws."""
+"""The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as
+an MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix);
+and what mixed precision did, which summary.json reports. matplotlib is imported late: only rank 0 draws."""
 
 import dataclasses
 import io
@@ -46,20 +46,22 @@ def write_all(cfg, net, splits, results, tracker):
 
 
 def mixed_precision(train_step, net, float32_net, images):
-    """What mixed precision and loss scaling do in the train step MindSpore built, measured on it: features_dtype,
-    the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of the
-    step's logits against `float32_net` given net's weights; step_loss_scale, the backward pass's factor."""
+    """What mixed precision and loss scaling do in the train step MindSpore built, measured on it:
+    features_dtype, the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the
+    largest change of the step's logits against `float32_net` given net's weights; step_loss_scale, the
+    backward pass's factor."""
     ms.load_param_into_net(float32_net, net.parameters_dict())
     # The network as amp rebuilt it.
     amp_forward = train_step.network._backbone
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
+    logit_error = np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()
     return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
-            "amp_logit_error": float(np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()),
-            "step_loss_scale": float(scale)}
+            "amp_logit_error": float(logit_error), "step_loss_scale": float(scale)}
 
 
 def draw(picture, path, *args):
-    """`picture(plt, *args)` drawn by matplotlib on its file-only backend, written whole to `path` as a PNG."""
+    """`picture(plt, *args)` drawn by matplotlib on its file-only backend, written whole to `path` as a
+    PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -73,7 +75,8 @@ def draw(picture, path, *args):
 def sample_grid(plt, split, seed, count=10):
     """Random images of a data.Split with their class names, in two rows."""
     fig, axes = plt.subplots(2, count // 2, figsize=(8, 3.8))
-    for ax, index in zip(axes.flat, np.random.default_rng(seed).choice(len(split.images), count, replace=False)):
+    shown = np.random.default_rng(seed).choice(len(split.images), count, replace=False)
+    for ax, index in zip(axes.flat, shown):
         ax.imshow(split.images[index], cmap="gray", vmin=0, vmax=255)
         ax.set_title(data.CLASS_NAMES[split.labels[index]], fontsize=9)
         ax.axis("off")

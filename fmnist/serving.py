@@ -26,7 +26,8 @@ def export_mindir(net, path):
 
 
 def load_model(path):
-    """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else UsageError."""
+    """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else
+    UsageError."""
     try:
         if path.endswith(".mindir"):
             return nn.GraphCell(ms.load(path))
@@ -67,8 +68,8 @@ _GRAPH_EXECUTOR = threading.Lock()
 
 
 def pixels(batch):
-    """A batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files hold them, as uint8; else ValueError
-    (MLflow answers 400). MLflow's schema has checked the shape and that they are numbers."""
+    """A batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files hold them, as uint8; else
+    ValueError (MLflow answers 400). MLflow's schema has checked the shape and that they are numbers."""
     values = np.asarray(batch, dtype=np.float64)
     fractional = values[values != np.round(values)]  # NaN among them
     if fractional.size:
@@ -86,7 +87,8 @@ class ServedModel:
     def __init__(self, mindir):
         distributed.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
         self.net = nn.GraphCell(ms.load(str(mindir)))
-        self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))  # compiled now, not by a request
+        # Compiled now, not by the first request.
+        self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))
 
     def predict(self, model_input, params=None):
         from mlflow.exceptions import MlflowException

@@ -1,7 +1,8 @@
-"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
-directory; one sender carries it to MLflow from the position it recorded last, on a thread as the job runs or
-later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a send and its
-recorded position) is harmless: MLflow keeps one copy of equal metric points. docs/tracking.md has the rules."""
+"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the
+output directory; one sender carries it to MLflow from the position it recorded last, on a thread as the
+job runs or later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a
+send and its recorded position) is harmless: MLflow keeps one copy of equal metric points. docs/tracking.md
+has the rules."""
 
 import argparse
 import dataclasses
@@ -83,7 +84,8 @@ class Journal:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What the run starts with: where it goes, its parameters, tags and datasets, and whether it continues."""
+    """What the run starts with: where it goes, its parameters, tags and datasets, and whether it
+    continues."""
 
     experiment: str
     name: str
@@ -112,7 +114,8 @@ class Sender:
         return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
-        """Send what waits, in order; True when nothing is left. Retries transient failures until stopping()."""
+        """Send what waits, in order; True when nothing is left. Retries transient failures until
+        stopping()."""
         pending = self.unsent()
         while pending:
             offset, op = pending[0]
@@ -122,8 +125,8 @@ class Sender:
                 if transient(exc):
                     self.failures += 1
                     if self.failures == 1:
-                        log.warning("MLflow: cannot reach %s (%s); the journal keeps everything and is retried",
-                                    self.uri, common.first_line(exc))
+                        log.warning("MLflow: cannot reach %s (%s); the journal keeps everything and is "
+                                    "retried", self.uri, common.first_line(exc))
                     if stopping():
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
@@ -166,8 +169,8 @@ class Sender:
             except self.mlflow.exceptions.MlflowException as exc:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-                log.warning("MLflow: the training's run %s is not at %s (another tracking store); continuing in a "
-                            "new run there, tagged resumed_from_run", self.run_id, self.uri)
+                log.warning("MLflow: the training's run %s is not at %s (another tracking store); continuing "
+                            "in a new run there, tagged resumed_from_run", self.run_id, self.uri)
                 tags = {**tags, "resumed_from_run": self.run_id}
         experiment = self.client.get_experiment_by_name(op["experiment"])
         experiment_id = (experiment.experiment_id if experiment
@@ -186,8 +189,9 @@ class Sender:
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model` (fmnist.serving loads it), registered when asked. Its input
-        is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
+        """The MindIR as the run's pyfunc model `model` (fmnist.serving loads it), registered when asked.
+        Its input is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44
+        unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
         # MLflow warns that integer columns cannot hold NaN: the predictions have none.
@@ -200,13 +204,15 @@ class Sender:
                 registered_model_name=op["register_as"] or None, await_registration_for=60,
                 pip_requirements=str(PACKAGE_DIR.parent / "requirements.txt"))
         if op["register_as"]:
-            self.client.set_model_version_tag(op["register_as"], info.registered_model_version, "test_accuracy",
+            version = info.registered_model_version
+            self.client.set_model_version_tag(op["register_as"], version, "test_accuracy",
                                               f"{op['test_accuracy']:.4f}")
-            log.info("MLflow: registered model %s version %s", op["register_as"], info.registered_model_version)
+            log.info("MLflow: registered model %s version %s", op["register_as"], version)
 
 
 class NullTracker:
-    """Tracking on ranks other than 0, or with --tracking off: every call takes anything and records nothing."""
+    """Tracking on ranks other than 0, or with --tracking off: every call takes anything and records
+    nothing."""
 
     run_id = None
 
@@ -228,11 +234,13 @@ class Tracker:
         return self.sender and self.sender.run_id
 
     def start(self, run):
-        """Journal the run's start with MLflow's context tags (user, source, commit); online, await the answer."""
+        """Journal the run's start with MLflow's context tags (user, source, commit); online, await the
+        answer."""
         import mlflow
         self.journal.append("start", experiment=run.experiment, run_name=run.name, datasets=run.datasets,
                             params={key: str(value) for key, value in run.params.items()},
-                            tags=mlflow.tracking.context.registry.resolve_tags(run.tags), continues=run.continues)
+                            tags=mlflow.tracking.context.registry.resolve_tags(run.tags),
+                            continues=run.continues)
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
@@ -259,7 +267,8 @@ class Tracker:
                             test_accuracy=float(test_accuracy))
 
     def finish(self, status, timeout=None):
-        """The run's end journaled; online, the sender has `timeout` seconds (else --tracking-wait) for the rest."""
+        """The run's end journaled; online, the sender has `timeout` seconds (else --tracking-wait) for the
+        rest."""
         self.system_stopped.set()
         self.journal.append("end", status=status)
         if not self.online:
@@ -268,9 +277,9 @@ class Tracker:
         self.finishing.set()
         self.thread.join(timeout or self.wait_s)
         if left := len(self.sender.unsent()):
-            log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the next "
-                        "start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri, left,
-                        timeout or self.wait_s, self.journal.path, self.output_dir)
+            log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the "
+                        "next start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri,
+                        left, timeout or self.wait_s, self.journal.path, self.output_dir)
 
     def _follow(self):
         while True:
@@ -283,12 +292,14 @@ class Tracker:
                 # The start was refused: Tracker.start says so.
                 return
             except Exception as exc:
-                log.warning("MLflow: the sender failed (%s); the journal keeps the rest", common.first_line(exc))
+                log.warning("MLflow: the sender failed (%s); the journal keeps the rest",
+                            common.first_line(exc))
             with self.journal.appended:
                 self.journal.appended.wait(1)
 
     def _sample_system(self):
-        """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the finish."""
+        """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the
+        finish."""
         from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
         monitors = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()]
         interval_s, step = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10), 0
@@ -297,7 +308,8 @@ class Tracker:
                 values = {}
                 for monitor in monitors:
                     monitor.collect_metrics()
-                    values.update({f"system/{self.node}/{k}": v for k, v in monitor.aggregate_metrics().items()})
+                    measured = monitor.aggregate_metrics()
+                    values.update({f"system/{self.node}/{key}": value for key, value in measured.items()})
                     monitor.clear_metrics()
                 self.log_metrics(values, step)
                 step += 1
@@ -320,15 +332,17 @@ def dataset_entities(splits, checksums, sources):
         digest = hashlib.sha256("".join(checksums[name] for name in names).encode()).hexdigest()[:32]
         # MLflow warns that a local path could be two kinds of source.
         with warnings.catch_warnings(action="ignore", category=UserWarning):
-            dataset = mlflow.data.from_numpy(part.images, targets=part.labels, source=sources.get(names[0], ""),
-                                             name=f"{data.NAME}-{split}", digest=digest)
+            dataset = mlflow.data.from_numpy(part.images, targets=part.labels, digest=digest,
+                                             source=sources.get(names[0], ""), name=f"{data.NAME}-{split}")
         entities.append((context, dataset._to_mlflow_entity().to_dictionary()))
     return entities
 
 
 def main(argv=None):
-    """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent, 1 the server stayed away, 2 refused or bad input."""
-    parser = argparse.ArgumentParser(prog="python -m fmnist.tracking", description="Send a job's MLflow journal.")
+    """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent, 1 the server stayed away, 2 refused or bad
+    input."""
+    parser = argparse.ArgumentParser(prog="python -m fmnist.tracking",
+                                     description="Send a job's MLflow journal.")
     commands = parser.add_subparsers(dest="command", required=True)
     sync = commands.add_parser("sync", help="send OUTPUT_DIR's journal")
     sync.add_argument("output_dir", type=Path, help="the job's --output-dir")
@@ -338,17 +352,19 @@ def main(argv=None):
     try:
         if not (args.output_dir / JOURNAL).exists():
             raise common.UsageError(f"{args.output_dir} holds no MLflow journal ({JOURNAL})")
-        # A running job sends its own journal: sync waits its turn.
+        # A running job sends its own journal: sync refuses while a job holds the output directory.
         with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
             sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
-    print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}" if sent else
-          f"error: MLflow at {sender.uri} did not answer within {args.timeout:g} s; {len(sender.unsent())} "
-          f"operations still wait in {sender.journal}", file=sys.stdout if sent else sys.stderr)
-    return 0 if sent else 1
+    if not sent:
+        print(f"error: MLflow at {sender.uri} did not answer within {args.timeout:g} s; "
+              f"{len(sender.unsent())} operations still wait in {sender.journal}", file=sys.stderr)
+        return 1
+    print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}")
+    return 0
 
 
 if __name__ == "__main__":

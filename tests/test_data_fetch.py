@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fmnist import common, fetch
+from fmnist import common, data, fetch
 from conftest import ROOT, serve, write_dataset
 
 
@@ -30,7 +30,7 @@ def mirror(dataset):
 
 
 def fetch_all(data_dir, checksums, mirrors, timeout=5.0, system_dirs=(), say=lambda _: None):
-    return fetch.ensure_data(data_dir, checksums, mirrors, timeout, system_dirs=system_dirs, say=say)
+    return fetch.ensure_data(data_dir, checksums, fetch.Sources(tuple(mirrors), system_dirs, data.PACKAGE, timeout, say=say))
 
 
 def data_files(data_dir):
@@ -145,7 +145,7 @@ def test_a_slow_download_reports_its_bytes_rate_and_time_left(monkeypatch, mirro
     body = gzip.compress(bytes(range(256)) * (1 << 12), compresslevel=0)  # 1 MiB at 320 KiB/s: about 3 s
     mirror.files["big.gz"] = body
     lines = []
-    assert fetch.download(f"{mirror.url}/steady/big.gz", 5.0, say=lines.append) == body
+    assert fetch.download(f"{mirror.url}/steady/big.gz", fetch.Sources(timeout=5.0, say=lines.append)) == body
     assert len(lines) >= 3, lines  # one line per interval, not one per chunk
     pattern = r"downloading \S+/big\.gz: (\d+\.\d) of 1\.0 MiB, 0\.\d\d MiB/s, (\d+) s left"
     progress = [re.fullmatch(pattern, line) for line in lines]
@@ -158,7 +158,7 @@ def test_two_jobs_sharing_a_data_dir_fetch_once(tmp_path, dataset, mirror):
     """The second job starts while the first is fetching (a second per file) and holds the data dir's lock."""
     _, checksums, _ = dataset
     code = ("import sys; from fmnist import fetch; fetch.ensure_data(sys.argv[1], "
-            "dict(a.split('=') for a in sys.argv[3:]), [sys.argv[2]], 5.0, system_dirs=())")
+            "dict(a.split('=') for a in sys.argv[3:]), fetch.Sources((sys.argv[2],), timeout=5.0))")
     command = [sys.executable, "-c", code, str(tmp_path), f"{mirror.url}/slow",
                *(f"{name}={digest}" for name, digest in checksums.items())]
     first = subprocess.Popen(command, cwd=ROOT)
@@ -204,8 +204,8 @@ def test_too_long_download_is_abandoned_for_the_next_mirror(tmp_path, dataset, m
     chunk comes after 0.15 s) outlast it and come from the next mirror; the label files complete in time."""
     _, checksums, files = dataset
     assert min(len(files[f"{split}-images-idx3-ubyte.gz"]) for split in ("train", "t10k")) > 48 << 10
-    fetch.ensure_data(tmp_path, checksums, [f"{mirror.url}/steady", f"{mirror.url}/good"], 5.0, system_dirs=(),
-                      say=lambda _: None, deadline=0.1)
+    mirrors = (f"{mirror.url}/steady", f"{mirror.url}/good")
+    fetch.ensure_data(tmp_path, checksums, fetch.Sources(mirrors, deadline=0.1, say=lambda _: None))
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("steady") == 4  # each file tried once there, none retried
     # The image files cannot arrive in time; a label file (one chunk) does unless the machine stalls.
@@ -216,6 +216,6 @@ def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):
     mirror.files["big.gz"] = bytes(4 << 20)  # 4 MiB at 320 KiB/s: 13 s, over any minimum rate
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"not complete after \d+ s \(\d+ bytes\), over --download-deadline 1.5"):
-        fetch.download(f"{mirror.url}/steady/big.gz", 5.0, deadline=1.5)
+        fetch.download(f"{mirror.url}/steady/big.gz", fetch.Sources(timeout=5.0, deadline=1.5))
     assert time.monotonic() - started < 10  # 1.5 s and the next chunk, not the 13 s of the whole file
     assert mirror.total("steady") == 1

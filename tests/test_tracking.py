@@ -82,9 +82,9 @@ def test_train_and_test_splits_are_the_runs_datasets(tracked_run, tiny_data):
     _, run, _ = tracked_run
     sums = dict(reversed(line.split()) for line in (tiny_data / "CHECKSUMS").read_text().splitlines())
     found = {(d.dataset.name, d.tags[0].value): d.dataset for d in run.inputs.dataset_inputs}
-    assert sorted(found) == [("fashion-mnist-t10k", "evaluation"), ("fashion-mnist-train", "training")]
+    assert sorted(found) == [("fashion-mnist-test", "evaluation"), ("fashion-mnist-train", "training")]
     for (name, _), dataset in found.items():
-        split = name.rsplit("-", 1)[1]
+        split = {"train": "train", "test": "t10k"}[name.rsplit("-", 1)[1]]
         content = sums[f"{split}-images-idx3-ubyte"] + sums[f"{split}-labels-idx1-ubyte"]
         assert dataset.digest == hashlib.sha256(content.encode()).hexdigest()[:32]
         assert json.loads(dataset.source) == {"uri": str(tiny_data.resolve())}  # the data dir the job read
