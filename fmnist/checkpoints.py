@@ -170,13 +170,16 @@ class Checkpoints:
         return self.directory / Position.after(steps, self.steps_per_epoch).file_name
 
     def restart_cost(self):
-        """What this restart cost, as metrics: steps trained before the stop but not in the checkpoint resumed
-        from, and the seconds from the stop to now (when the stopped job recorded them)."""
+        """What this restart cost, said and as metrics: the steps trained before the stop but not in the
+        checkpoint resumed from, and the seconds from the stop to now, when the stopped job recorded them."""
         cost = {"restarts": self.restarts, "restart_steps_lost": 0}
         if self.stopped_at:
             last_step, when = self.stopped_at
             cost.update(restart_steps_lost=max(0, last_step - self.resumed.state.steps),
                         restart_total_s=time.time() - when)
+        took = f"{cost['restart_total_s']:.1f} s" if "restart_total_s" in cost else "an unknown time"
+        log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts,
+                 cost["restart_steps_lost"], took)
         return cost
 
     def step_done(self, train_network, state):

@@ -1,17 +1,21 @@
-"""The job's outputs, each written whole and logged to the run: the model as a checkpoint, as MindIR and as
-an MLflow model, summary.json, and the PNGs (training samples, the training curves, the confusion matrix);
-and what mixed precision did, which summary.json reports. matplotlib is imported late: only rank 0 draws."""
+"""The job's results: measured on every rank, then written by rank 0, each file whole and logged to the run:
+the model as a checkpoint, as MindIR and as an MLflow model, summary.json (what mixed precision did among its
+figures), and the PNGs (training samples, the training curves, the confusion matrix). matplotlib is imported
+late: only rank 0 draws."""
 
 import dataclasses
 import io
 import json
+import resource
+import time
 
 import numpy as np
 
 import mindspore as ms
 from mindspore import Tensor
 
-from . import checkpoints, common, data, serving
+from . import checkpoints, common, data, distributed, model, serving
+from .common import log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +25,58 @@ class Results:
     summary: dict
     loss_points: list
     confusion: np.ndarray
+
+
+def report(training, splits):
+    """The results of main.Training, measured on every rank (gathers) and written by rank 0: the exit status,
+    1 if the replicas differ."""
+    job, cfg, history, saver = training.job, training.cfg, training.history, training.checkpoints
+    # The last validation's confusion is the model's; a job that had nothing left to train measures it again.
+    confusion = training.confusion
+    if confusion is None:
+        confusion = training.model.eval(training.eval_set, dataset_sink_mode=False)["test"]["confusion"]
+    identical, fingerprints = distributed.replicas_identical(training.collective, training.net)
+    peak_rss_kb = np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    peak_rss_mb = training.collective.all_gather(peak_rss_kb) / 1024
+    # Rank 0 reports a difference: an early exit here would end it before it writes the results.
+    if not training.collective.is_main:
+        return 0
+    if len(history) > cfg.epochs:
+        log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this "
+                    "job reports and writes", len(history), cfg.epochs)
+    precision = mixed_precision(training.model.train_network, training.net,
+                                        model.build_network(len(data.CLASS_NAMES)),
+                                        Tensor(data.to_model_input(splits.test.images[:8])))
+    resumed_at = checkpoints.Position.after(training.resumed_steps, training.steps_per_epoch)
+    summary = {
+        "device": job.device, "world_size": job.collective.world_size, "amp_level": job.amp_level,
+        "loss_scaling": job.loss_scaling, **precision, "cpu": job.cpu,
+        "epochs": len(history), "global_batch_size": training.global_batch,
+        "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
+        "test_samples": int(confusion.sum()),
+        "train_samples_per_s": (sum(e["train_samples_per_s"] * e["train_s"] for e in history)
+                                / sum(e["train_s"] for e in history)),
+        "first_step_s": training.first_step_s, "first_step_at": training.first_step_at,
+        "startup_phases_s": training.startup.phases, "wall_s": time.perf_counter() - training.startup.started,
+        "replicas_identical": identical, "mlflow_run_id": training.tracker.run_id,
+        "skipped_steps": training.skipped_steps,
+        "resumed_from_epoch": resumed_at.epoch, "resumed_from_step": resumed_at.step,
+        "restarts": saver.restarts, "weights_sha256": fingerprints[0].tobytes().hex(),
+        "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
+        "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
+    }
+    write_all(cfg, training.net, splits, Results(summary, training.loss_points, confusion),
+                      training.tracker)
+    training.tracker.log_metrics({key: summary[key] for key in ("wall_s", "test_accuracy", "test_loss")},
+                                 step=len(history))
+    training.tracker.finish("FINISHED" if identical else "FAILED")
+    log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s", summary["test_accuracy"],
+             summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}", summary["wall_s"],
+             cfg.output_dir / "summary.json")
+    if not identical:
+        log.error("replicas diverged: weight fingerprints differ across ranks %s", fingerprints.tolist())
+        return 1
+    return 0
 
 
 def write_all(cfg, net, splits, results, tracker):

@@ -6,7 +6,9 @@ has the rules."""
 
 import argparse
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -315,6 +317,40 @@ class Tracker:
                 step += 1
             except Exception as exc:
                 log.warning("MLflow: system metrics not logged: %s", common.first_line(exc))
+
+
+def start(job, continues, splits, sources):
+    """The job's tracker (main.Job's): rank 0 journals the run's start (settings, system tags, datasets) and,
+    online, creates or continues the run before training, a refusal being bad input on every rank; further
+    nodes watch their own system. A collective."""
+    cfg, collective = job.cfg, job.collective
+    # In system metrics' names; run.sh exports NODE_RANK.
+    node = f"node{os.environ.get('NODE_RANK', '0')}"
+    tracker = NullTracker()
+    if cfg.tracking == "off":
+        return tracker
+    create_run = None
+    if collective.is_main:
+        tracker = Tracker(cfg.output_dir, cfg.tracking == "on", node, cfg.tracking_wait)
+        params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
+                  "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
+                  "mindspore_version": importlib.metadata.version("mindspore"),
+                  "job_version": common.JOB_VERSION}
+        tags = {"device": job.device, "world_size": str(collective.world_size),
+                "job_version": common.JOB_VERSION}
+        # An image has no .git for MLflow's git context to read: its build says which commit it is.
+        if os.environ.get("GIT_COMMIT"):
+            tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
+        datasets = dataset_entities(splits, job.checksums, sources)
+        run = Run(cfg.experiment, cfg.run_name, params, tags, datasets, continues)
+        create_run = functools.partial(tracker.start, run)
+    collective.wait_for(create_run)
+    if cfg.tracking == "on" and collective.world_size > job.local_workers:
+        run_id = collective.broadcast_text(tracker.run_id or "")
+        watches = run_id and collective.is_local_main and not collective.is_main
+        # Awaited: its import of MLflow takes seconds, and a collective fails a rank MS_NODE_TIMEOUT late.
+        collective.wait_for(functools.partial(watch_node, run_id, node) if watches else None)
+    return tracker
 
 
 def watch_node(run_id, node):
