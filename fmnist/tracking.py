@@ -1,8 +1,7 @@
-"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the
-output directory; one sender carries it to MLflow from the position it recorded last, on a thread as the
-job runs or later as `python -m fmnist.tracking sync OUTPUT_DIR`. A line sent twice (a kill -9 between a
-send and its recorded position) is harmless: MLflow keeps one copy of equal metric points. docs/tracking.md
-has the rules."""
+"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
+directory; one sender carries it to MLflow from the position it recorded last, on a thread as the job runs or
+later as `python -m fmnist.tracking sync OUTPUT_DIR`. No MindSpore here: `sync` starts in a second. The rules
+(what is retried, what ends the job, what waits for sync) are in docs/tracking.md."""
 
 import argparse
 import dataclasses
@@ -23,39 +22,41 @@ import numpy as np
 from . import common, data
 from .common import log
 
-JOURNAL, POSITION = "mlflow-journal.jsonl", "mlflow-journal.position"  # in the output directory
-# MLflow retries a dead server for minutes by default; the sender retries on its own. Its telemetry would be
-# one more thread reaching for the internet from every training pod.
+JOURNAL, POSITION = "mlflow-journal.jsonl", "mlflow-journal.position"
+# MLflow retries a dead server for minutes by default, where the sender retries on its own; and its telemetry
+# would be one more thread reaching for the internet from every training pod.
 MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
                    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI's "Model training" view
 RETRY_DELAYS_S = (1, 2, 4, 8, 15, 30)
+MAX_METRICS = 1000  # a log_batch request's limit
 START_WAIT_S = 15  # what training waits for the run's creation to be tried
-STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: the pod's 30 s grace period must hold it all
+STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: a pod's 30 s grace period must hold it all
 PACKAGE_DIR = Path(__file__).resolve().parent
-# The served model's loader, by name: importing it here would load MindSpore into `sync`.
+# The served model's loader, by name: importing it would load MindSpore here.
 SERVING_MODULE = "fmnist.serving"
 
 
 def transient(exc):
-    """Whether a failure is worth retrying: unreachable, timed out, 429 or 5xx."""
+    """Whether a failure is worth retrying: unreachable, timed out, 429 or 5xx; or a local store that another
+    process holds or is creating (its migrations, a locked SQLite file)."""
     from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import OperationalError
     if isinstance(exc, MlflowException):
         return exc.get_http_status_code() in (429, *range(500, 600))
-    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("requests")
+    return (isinstance(exc, (ConnectionError, TimeoutError, OperationalError))
+            or type(exc).__module__.startswith("requests"))
 
 
 class Journal:
     """An append-only file of JSON lines, each written whole; read back from any byte offset."""
 
     def __init__(self, path):
-        self.path = Path(path)
-        self.appended = threading.Condition()
-        # Its size before this process's first line, for a rollback.
-        self.size_before = None
+        self.path, self.appended = Path(path), threading.Condition()
+        self.size_before = None  # this process's first line's offset, for a rollback
 
     def append(self, op, **fields):
-        # json.dumps refuses a value it could not read back, before anything is written.
+        # json.dumps refuses what it could not read back before anything is written.
         line = json.dumps({"op": op, **fields}) + "\n"
         with self.appended, common.catch_full_disk(self.path):
             if self.size_before is None:
@@ -70,57 +71,56 @@ class Journal:
             os.truncate(self.path, self.size_before)
 
     def read_from(self, offset):
-        """[(offset after the line, the line's object)] of the whole lines after `offset`."""
+        """[(offset after the line, the line's object)] of the whole lines after `offset`; a line without its
+        newline is still being written."""
         lines = []
         if self.path.exists():
             with open(self.path, "rb") as journal:
                 journal.seek(offset)
-                for line in journal:
-                    # A line without its newline is still being written.
-                    if not line.endswith(b"\n"):
-                        break
+                for line in (line for line in journal if line.endswith(b"\n")):
                     offset += len(line)
                     lines.append((offset, json.loads(line)))
         return lines
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """What the run starts with: where it goes, its parameters, tags and datasets, and whether it
-    continues."""
-
-    experiment: str
-    name: str
-    params: dict
-    tags: dict
-    datasets: list
-    continues: bool = False
+def batch(pending):
+    """The first of `pending`'s operations, and how many lines it takes: metric lines in a row are one
+    request, up to MAX_METRICS points."""
+    first = pending[0][1]
+    if first["op"] != "metrics":
+        return first, 1
+    points = []
+    for count, (_, op) in enumerate(pending):
+        if op["op"] != "metrics" or count and len(points) + len(op["values"]) > MAX_METRICS:
+            return {"op": "metrics", "points": points}, count
+        points += [(key, value, op["timestamp"], op["step"]) for key, value in op["values"].items()]
+    return {"op": "metrics", "points": points}, len(pending)
 
 
 class Sender:
-    """Sends a journal's lines from the recorded position, recording the position (and the run) after each."""
+    """Sends a journal's lines in order from the recorded position, which moves (with the run's id) only past
+    what MLflow took. A transient failure is retried; a refused start is bad input; any other failure stops
+    the sending, and the line waits in the journal with all after it, for `sync`."""
 
     def __init__(self, output_dir):
         import mlflow
         os.environ.update({name: value for name, value in MLFLOW_DEFAULTS.items() if name not in os.environ})
-        # The sender's own line says what urllib3 would.
-        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # the sender's line says it
         self.journal, self.position = Path(output_dir) / JOURNAL, Path(output_dir) / POSITION
         state = json.loads(self.position.read_text()) if self.position.exists() else {}
         self.offset, self.run_id = state.get("offset", 0), state.get("run_id")
         self.mlflow, self.uri, self.client = mlflow, mlflow.get_tracking_uri(), None
-        self.failures, self.refused = 0, None
+        self.failures, self.refused, self.stuck = 0, None, None
 
     def unsent(self):
-        """[(offset after the line, operation)] of what waits."""
         return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
-        """Send what waits, in order; True when nothing is left. Retries transient failures until
-        stopping()."""
+        """Send what waits; True when nothing is left. Transient failures are retried until stopping(); after
+        another, False, and `stuck` names the line."""
         pending = self.unsent()
-        while pending:
-            offset, op = pending[0]
+        while pending and not self.stuck:
+            op, count = batch(pending)
             try:
                 self.send(op)
             except Exception as exc:
@@ -133,25 +133,27 @@ class Sender:
                         return False
                     time.sleep(RETRY_DELAYS_S[min(self.failures, len(RETRY_DELAYS_S)) - 1])
                     continue
-                # A refused start is bad input.
                 if op["op"] == "start" and isinstance(exc, self.mlflow.MlflowException):
-                    self.refused = f"MLflow at {self.uri} refused to start the run: {common.first_line(exc)}"
+                    why = common.first_line(exc)
+                    self.refused = f"MLflow at {self.uri} refused to start the run: {why}"
                     raise common.UsageError(self.refused) from None
-                log.warning("MLflow: %s not logged, skipped: %s", op["op"], common.first_line(exc))
+                self.stuck = f"its {op['op']} line at byte {self.offset} ({common.first_line(exc)})"
+                log.warning("MLflow: %s did not take %s; the run waits in %s: `python -m fmnist.tracking "
+                            "sync %s` sends it", self.uri, self.stuck, self.journal, self.journal.parent)
+                return False
             if self.failures:
                 log.info("MLflow: %s answers again; sending what waited", self.uri)
                 self.failures = 0
-            self.offset, pending = offset, pending[1:]
+            self.offset, pending = pending[count - 1][0], pending[count:]
             state = json.dumps({"offset": self.offset, "run_id": self.run_id}).encode()
             common.write_atomic(self.position, state, sync=False)
-        return True
+        return not pending
 
     def send(self, op):
         from mlflow.entities import Metric
         self.client = self.client or self.mlflow.MlflowClient(self.uri)
         if op["op"] == "metrics":
-            self.client.log_batch(self.run_id, metrics=[Metric(key, value, op["timestamp"], op["step"])
-                                                        for key, value in op["values"].items()])
+            self.client.log_batch(self.run_id, metrics=[Metric(*point) for point in op["points"]])
         elif op["op"] == "artifact":
             self.client.log_artifact(self.run_id, op["path"])
         elif op["op"] == "end":
@@ -183,38 +185,33 @@ class Sender:
         self.client.log_inputs(self.run_id, [
             DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", context)])
             for context, fields in op["datasets"]])
-        page = self.uri
-        if self.uri.startswith(("http://", "https://")):
-            # The UI's model-training view of the run.
-            page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
-                    "?workflowType=machine_learning")
+        # A server's page is the UI's model-training view of the run.
+        page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}?workflowType="
+                "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model` (fmnist.serving loads it), registered when asked.
-        Its input is float64: MLflow casts a request to the declared type, and uint8 would wrap 300 to 44
-        unseen."""
+        """The MindIR as the run's pyfunc model `model`, registered when asked. Its input is float64: MLflow
+        casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
         # MLflow warns that integer columns cannot hold NaN: the predictions have none.
         with warnings.catch_warnings(action="ignore", category=UserWarning):
             signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
-            info = self.mlflow.pyfunc.log_model(
+            version = self.mlflow.pyfunc.log_model(
                 name="model", loader_module=SERVING_MODULE, data_path=op["mindir"],
                 code_paths=[str(PACKAGE_DIR)], signature=signature, input_example=example,
                 registered_model_name=op["register_as"] or None, await_registration_for=60,
-                pip_requirements=str(PACKAGE_DIR.parent / "requirements.txt"))
+                pip_requirements=str(PACKAGE_DIR.parent / "requirements.txt")).registered_model_version
         if op["register_as"]:
-            version = info.registered_model_version
-            self.client.set_model_version_tag(op["register_as"], version, "test_accuracy",
-                                              f"{op['test_accuracy']:.4f}")
+            accuracy = f"{op['test_accuracy']:.4f}"
+            self.client.set_model_version_tag(op["register_as"], version, "test_accuracy", accuracy)
             log.info("MLflow: registered model %s version %s", op["register_as"], version)
 
 
 class NullTracker:
-    """Tracking on ranks other than 0, or with --tracking off: every call takes anything and records
-    nothing."""
+    """Tracking on ranks other than 0, or with --tracking off: every call takes anything, records nothing."""
 
     run_id = None
 
@@ -225,24 +222,22 @@ class NullTracker:
 class Tracker:
     """Rank 0's tracking: it appends to the journal; online, a sender thread follows it."""
 
-    def __init__(self, output_dir, online, node, wait_s):
-        self.output_dir, self.online, self.wait_s = Path(output_dir), online, wait_s
-        self.journal, self.node = Journal(Path(output_dir) / JOURNAL), node
-        self.sender = self.thread = None
+    def __init__(self, cfg, node):
+        self.output_dir, self.online, self.wait_s = cfg.output_dir, cfg.tracking == "on", cfg.tracking_wait
+        self.node = node
+        self.journal, self.sender, self.thread = Journal(cfg.output_dir / JOURNAL), None, None
         self.finishing, self.system_stopped = threading.Event(), threading.Event()
 
     @property
     def run_id(self):
         return self.sender and self.sender.run_id
 
-    def start(self, run):
-        """Journal the run's start with MLflow's context tags (user, source, commit); online, await the
-        answer."""
+    def start(self, cfg, params, tags, datasets, continues):
+        """Journal the run's start with MLflow's context tags (user, source, commit); online, await it."""
         import mlflow
-        self.journal.append("start", experiment=run.experiment, run_name=run.name, datasets=run.datasets,
-                            params={key: str(value) for key, value in run.params.items()},
-                            tags=mlflow.tracking.context.registry.resolve_tags(run.tags),
-                            continues=run.continues)
+        self.journal.append("start", experiment=cfg.experiment, run_name=cfg.run_name, datasets=datasets,
+                            params={key: str(value) for key, value in params.items()}, continues=continues,
+                            tags=mlflow.tracking.context.registry.resolve_tags(tags))
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
@@ -269,8 +264,7 @@ class Tracker:
                             test_accuracy=float(test_accuracy))
 
     def finish(self, status, timeout=None):
-        """The run's end journaled; online, the sender has `timeout` seconds (else --tracking-wait) for the
-        rest."""
+        """The run's end journaled; online, the sender has `timeout` s (else --tracking-wait) for the rest."""
         self.system_stopped.set()
         self.journal.append("end", status=status)
         if not self.online:
@@ -278,21 +272,20 @@ class Tracker:
             return
         self.finishing.set()
         self.thread.join(timeout or self.wait_s)
-        if left := len(self.sender.unsent()):
+        if (left := len(self.sender.unsent())) and not self.sender.stuck:
             log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the "
                         "next start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri,
                         left, timeout or self.wait_s, self.journal.path, self.output_dir)
 
     def _follow(self):
-        while True:
+        while not self.sender.stuck:
             # Read before the journal: once it is set, the end is in the journal.
             finishing = self.finishing.is_set()
             try:
                 if self.sender.send_unsent(stopping=self.finishing.is_set) and finishing:
                     return
             except common.UsageError:
-                # The start was refused: Tracker.start says so.
-                return
+                return  # the start was refused, which Tracker.start says
             except Exception as exc:
                 log.warning("MLflow: the sender failed (%s); the journal keeps the rest",
                             common.first_line(exc))
@@ -300,8 +293,7 @@ class Tracker:
                 self.journal.appended.wait(1)
 
     def _sample_system(self):
-        """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the
-        finish."""
+        """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the end."""
         from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
         monitors = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()]
         interval_s, step = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10), 0
@@ -320,18 +312,16 @@ class Tracker:
 
 
 def start(job, continues, splits, sources):
-    """The job's tracker (main.Job's): rank 0 journals the run's start (settings, system tags, datasets) and,
-    online, creates or continues the run before training, a refusal being bad input on every rank; further
-    nodes watch their own system. A collective."""
+    """The tracker of a main.Job: rank 0 journals the run's start (settings, tags, datasets) and, online,
+    creates or continues the run before training, a refusal being bad input on every rank; further nodes watch
+    their own system. A collective."""
     cfg, collective = job.cfg, job.collective
-    # In system metrics' names; run.sh exports NODE_RANK.
-    node = f"node{os.environ.get('NODE_RANK', '0')}"
-    tracker = NullTracker()
+    node = f"node{os.environ.get('NODE_RANK', '0')}"  # in system metrics' names; run.sh exports NODE_RANK
     if cfg.tracking == "off":
-        return tracker
-    create_run = None
+        return NullTracker()
+    tracker, create_run = NullTracker(), None
     if collective.is_main:
-        tracker = Tracker(cfg.output_dir, cfg.tracking == "on", node, cfg.tracking_wait)
+        tracker = Tracker(cfg, node)
         params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
                   "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
                   "mindspore_version": importlib.metadata.version("mindspore"),
@@ -342,8 +332,7 @@ def start(job, continues, splits, sources):
         if os.environ.get("GIT_COMMIT"):
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
         datasets = dataset_entities(splits, job.checksums, sources)
-        run = Run(cfg.experiment, cfg.run_name, params, tags, datasets, continues)
-        create_run = functools.partial(tracker.start, run)
+        create_run = functools.partial(tracker.start, cfg, params, tags, datasets, continues)
     collective.wait_for(create_run)
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
@@ -375,8 +364,8 @@ def dataset_entities(splits, checksums, sources):
 
 
 def main(argv=None):
-    """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent, 1 the server stayed away, 2 refused or bad
-    input."""
+    """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent; 1 the server stayed away, or a line it did not
+    take waits (named); 2 refused, or bad input."""
     parser = argparse.ArgumentParser(prog="python -m fmnist.tracking",
                                      description="Send a job's MLflow journal.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -395,12 +384,13 @@ def main(argv=None):
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
-    if not sent:
-        print(f"error: MLflow at {sender.uri} did not answer within {args.timeout:g} s; "
-              f"{len(sender.unsent())} operations still wait in {sender.journal}", file=sys.stderr)
-        return 1
-    print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}")
-    return 0
+    if sent:
+        print(f"MLflow: the journal of {args.output_dir} is sent: run {sender.run_id} at {sender.uri}")
+        return 0
+    why = (f"{sender.uri} did not take {sender.stuck}" if sender.stuck else
+           f"MLflow at {sender.uri} did not answer within {args.timeout:g} s")
+    print(f"error: {why}; {len(sender.unsent())} operations still wait in {sender.journal}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

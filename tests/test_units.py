@@ -408,12 +408,13 @@ def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
             saver.mark(1)
 
 
-def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, monkeypatch, caplog):
-    """A 403 on metric points (the run's permissions changed mid-run, say): one line, the points skipped, the
-    position past it, and the rest of the journal sent."""
+def test_a_line_mlflow_does_not_take_waits_with_all_after_it(tmp_path, monkeypatch, caplog):
+    """A 403 on metric points (the run's permissions changed mid-run, say) is neither transient nor a refused
+    start: one WARNING naming sync, nothing retried, nothing skipped, the position before that line."""
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED  # pylint: disable=import-outside-toplevel
     journal = tracking.Journal(tmp_path / tracking.JOURNAL)
+    journal.append("artifact", path="/x")
     journal.append("metrics", step=1, timestamp=0, values={"train_loss": 1.0})
     journal.append("end", status="FINISHED")
     tried = []
@@ -424,10 +425,25 @@ def test_a_refusal_after_the_runs_start_is_named_once_and_not_retried(tmp_path, 
             raise MlflowException("not allowed to log to this run", error_code=PERMISSION_DENIED)  # HTTP 403
 
     monkeypatch.setattr(tracking.Sender, "send", send)
+    sender = tracking.Sender(tmp_path)
     with caplog.at_level("WARNING", logger=common.log.name):
-        assert tracking.Sender(tmp_path).send_unsent(stopping=lambda: len(tried) > 3) is True  # retried: False
-    assert tried == ["metrics", "end"]  # the refused points once: a refusal is not retried
+        assert sender.send_unsent(stopping=lambda: len(tried) > 3) is False
+        assert sender.send_unsent() is False
+    assert tried == ["artifact", "metrics"]
     warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
-    assert len(warnings) == 1 and "metrics not logged, skipped" in warnings[0], warnings
-    assert "not allowed to log to this run" in warnings[0]
-    assert f'"offset": {journal.path.stat().st_size}' in (tmp_path / tracking.POSITION).read_text()
+    assert len(warnings) == 1 and "not allowed to log to this run" in warnings[0], warnings
+    assert f"python -m fmnist.tracking sync {tmp_path}" in warnings[0]
+    first_line = len(journal.path.read_text().splitlines()[0]) + 1
+    assert f'"offset": {first_line}' in (tmp_path / tracking.POSITION).read_text()
+    assert [op["op"] for _, op in tracking.Sender(tmp_path).unsent()] == ["metrics", "end"]
+
+
+def test_metric_lines_in_a_row_are_one_request_of_at_most_1000_points():
+    lines = [(i, {"op": "metrics", "step": i, "timestamp": 0, "values": {f"m{k}": 1.0 for k in range(300)}})
+             for i in range(5)] + [(9, {"op": "end", "status": "FINISHED"})]
+    op, count = tracking.batch(lines)
+    assert count == 3 and len(op["points"]) == 900 and op["points"][-1] == ("m299", 1.0, 0, 2)
+    assert tracking.batch(lines[3:]) == (tracking.batch(lines[3:5])[0], 2)
+    assert tracking.batch(lines[5:]) == (lines[5][1], 1)
+    huge = [(1, {"op": "metrics", "step": 0, "timestamp": 0, "values": {f"m{k}": 1.0 for k in range(1500)}})]
+    assert tracking.batch(huge)[1] == 1
