@@ -1,2 +1,1 @@
-"""The Fashion-MNIST job's modules, one per concern, used by main.py (docs/design.md); importing one starts
-nothing."""
+"""The job's modules, one per concern, used by main.py (docs/design.md); importing one starts nothing."""

@@ -1,7 +1,5 @@
-"""Checkpoint files and exact resume: the weights, the optimizer and the training's state (where it is, its
-figures so far, its course), CRC-checked, whole or absent. epoch-0002.ckpt is epoch 2 done;
-epoch-0003-step-000016.ckpt is 16 steps into epoch 3. A restart continues from the newest good one and
-refuses another training's."""
+"""Checkpoints and exact resume: the weights, the optimizer and the training's state, CRC-checked, whole or
+absent; a restart continues from the newest good one, and refuses another training's."""
 
 import contextlib
 import dataclasses
@@ -16,17 +14,15 @@ import mindspore as ms
 from . import common, settings
 from .common import log
 
-# 4 named the course; 3 added the step within the epoch and the restarts; 2 added the settings.
-CHECKPOINT_FORMAT = 4
+CHECKPOINT_FORMAT = 4  # 4 named the course; 3 added the step in the epoch and the restarts; 2 the settings
 NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
-# Rank 0's newest finished step and its time, beside the checkpoints: what a restart lost is measured from it.
-RECORD = "last-step"
+RECORD = "last-step"  # rank 0's newest step and its time, which a restart's cost is measured from
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Position:
-    """Where a training is: `epoch` epochs done, then `step` steps of the next one. Every conversion between a
-    position, a count of steps and a checkpoint's name (whose epochs count from 1) is here."""
+    """`epoch` epochs done, then `step` steps of the next; each conversion to steps and to names is here.
+    epoch-0002.ckpt is epoch 2 done, and epoch-0003-step-000016.ckpt 16 steps into epoch 3."""
 
     epoch: int = 0
     step: int = 0
@@ -40,22 +36,22 @@ class Position:
 
     @property
     def file_name(self):
-        if not self.step:
-            return f"epoch-{self.epoch:04d}.ckpt"
-        return f"epoch-{self.epoch + 1:04d}-step-{self.step:06d}.ckpt"
+        if self.step:
+            return f"epoch-{self.epoch + 1:04d}-step-{self.step:06d}.ckpt"
+        return f"epoch-{self.epoch:04d}.ckpt"
 
     @classmethod
     def of_file(cls, name):
-        """The position a checkpoint's file name gives, or None for another file."""
-        if not (match := NAME.fullmatch(name)):
-            return None
-        epoch, step = int(match[1]), int(match[2] or 0)
-        return cls(epoch - 1, step) if step else cls(epoch)
+        """The position a checkpoint's name gives, or None for another file."""
+        if match := NAME.fullmatch(name):
+            epoch, step = int(match[1]), int(match[2] or 0)
+            return cls(epoch - 1, step) if step else cls(epoch)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
 class State:
-    """What a checkpoint keeps beside the weights, and what a resume continues from."""
+    """What a checkpoint keeps beside the weights: the steps done, each epoch's figures, the loss curve."""
 
     steps: int = 0
     history: list = dataclasses.field(default_factory=list)
@@ -64,16 +60,13 @@ class State:
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """The checkpoint a job resumes from: its file, the state it kept, and the restarts before this one."""
-
     path: Path
     state: State
-    restarts: int
+    restarts: int  # before this one
 
 
 def save_checkpoint(cell, path, extra=None):
-    """A CRC-checked checkpoint at `path`, complete or absent (MindSpore writes in place, and insists on
-    .ckpt)."""
+    """A CRC-checked checkpoint at `path`, whole or absent (MindSpore writes in place, and wants .ckpt)."""
     with common.atomic_path(path, suffix=".ckpt") as tmp:
         ms.save_checkpoint(cell, str(tmp), append_dict=extra, crc_check=True)
 
@@ -85,26 +78,23 @@ def newest_first(directory):
 
 
 def course(cfg, resolved, train_network):
-    """What decides a training's course, which a resume must keep: the settings that shape it, what the job
-    resolved them to, and the parameters' shapes."""
-    shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
+    """What a resume must keep: the settings that shape the training, what they resolved to, the shapes."""
     kept = {name: value for name, value in dataclasses.asdict(cfg).items() if name in settings.COURSE}
+    shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
     return {**kept, **resolved, "parameter_shapes": shapes}
 
 
 def resume_conflicts(meta, current):
     """'name: was X, now Y' for each way a checkpoint's training differs from this job's."""
     if meta.get("format") != CHECKPOINT_FORMAT:
-        written_by = f"written by job {meta.get('job_version', '1.0.0')}"
-        return [f"checkpoint format: was {meta.get('format', 1)} ({written_by}), "
+        writer = meta.get("job_version", "1.0.0")
+        return [f"checkpoint format: was {meta.get('format', 1)} (written by job {writer}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
     saved, conflicts = meta["course"], []
     for name in sorted(set(saved) | set(current)):
-        was, now = saved.get(name), current.get(name)
-        if was == now:
+        if (was := saved.get(name)) == (now := current.get(name)):
             continue
-        if name == "parameter_shapes":
-            # Which parameters differ, not the whole table.
+        if name == "parameter_shapes":  # which, not the whole table
             was, now = was or {}, now or {}
             differing = sorted(key for key in set(was) | set(now) if was.get(key) != now.get(key))
             was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"
@@ -113,9 +103,8 @@ def resume_conflicts(meta, current):
 
 
 def load_latest(directory, train_network, current, steps_per_epoch):
-    """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or
-    None. Another training's is UsageError naming every difference: no run would describe the model it
-    would make."""
+    """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or None.
+    Another training's is a UsageError naming every difference: no run would describe its model."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -124,11 +113,10 @@ def load_latest(directory, train_network, current, steps_per_epoch):
             log.warning("skipping checkpoint %s: %s", path, common.first_line(exc))
             continue
         if conflicts := resume_conflicts(meta, current):
-            raise common.UsageError(
-                f"cannot resume from {path}, a checkpoint of another training: {'; '.join(conflicts)}. Start "
-                "fresh with --resume never, or give another --output-dir")
-        # Its parameters are these: their names and shapes match.
-        ms.load_param_into_net(train_network, params)
+            raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
+                                    f"{'; '.join(conflicts)}. Start fresh with --resume never, or give "
+                                    "another --output-dir")
+        ms.load_param_into_net(train_network, params)  # names and shapes match
         steps = Position(meta["epoch"], meta["step"]).steps(steps_per_epoch)
         state = State(steps, meta["history"], [tuple(point) for point in meta["loss_points"]])
         return Resumed(path, state, meta["restarts"])
@@ -136,31 +124,25 @@ def load_latest(directory, train_network, current, steps_per_epoch):
 
 
 def agree_on_resume(collective, resumed, directory):
-    """Every rank resumes from the same step; UsageError when ranks found different checkpoints. A
-    collective."""
-    steps = resumed.state.steps if resumed else 0
-    agreed = collective.all_gather([steps])
+    """UsageError unless every rank found the same checkpoint to resume from. A collective."""
+    agreed = collective.all_gather([resumed.state.steps if resumed else 0]).ravel()
     if (agreed != agreed[0]).any():
         raise common.UsageError(f"ranks found different checkpoints to resume from (steps "
-                                f"{agreed.ravel().tolist()}); is {directory} shared by all nodes?")
+                                f"{agreed.tolist()}); is {directory} shared by all nodes?")
 
 
 class Checkpoints:
-    """Rank 0's checkpoints of one training, the newest --keep-checkpoints kept: at each epoch's end, every
-    --checkpoint-steps steps (it decides when one is due), and on a stop, on the training thread
-    (milliseconds for LeNet). Each step's number and time go to RECORD, for what a restart cost."""
+    """Rank 0's checkpoints, the newest --keep-checkpoints kept: at each epoch's end, every --checkpoint-steps
+    steps, and on a stop, on the training thread (milliseconds for LeNet); each step is recorded in RECORD."""
 
     def __init__(self, cfg, current, resumed, steps_per_epoch):
         self.directory = cfg.output_dir / "checkpoints"
-        self.keep, self.every_steps = cfg.keep_checkpoints, cfg.checkpoint_steps
-        self.steps_per_epoch = steps_per_epoch
-        self.current, self.resumed = current, resumed
+        self.keep, self.every = cfg.keep_checkpoints, cfg.checkpoint_steps
+        self.current, self.resumed, self.steps_per_epoch = current, resumed, steps_per_epoch
         self.restarts = resumed.restarts + 1 if resumed else 0
-        self.saved_steps = resumed.state.steps if resumed else None
-        self.save_s = []
+        self.saved_steps, self.save_s, self.stopped_at = resumed and resumed.state.steps, [], None
         self.directory.mkdir(parents=True, exist_ok=True)
-        # The stopped job's newest step and when it was done, read before this job overwrites them.
-        self.stopped_at = None
+        # The stopped job's newest step and its time, read before this job overwrites them.
         with contextlib.suppress(OSError, ValueError):
             last_step, when = (self.directory / RECORD).read_text().split()
             self.stopped_at = int(last_step), float(when)
@@ -170,22 +152,21 @@ class Checkpoints:
         return self.directory / Position.after(steps, self.steps_per_epoch).file_name
 
     def restart_cost(self):
-        """What this restart cost, said and as metrics: the steps trained before the stop but not in the
-        checkpoint resumed from, and the seconds from the stop to now, when the stopped job recorded them."""
+        """What this restart cost, said and as metrics: the steps trained after the checkpoint resumed from,
+        and the seconds from the stop to now (when the stopped job recorded them)."""
         cost = {"restarts": self.restarts, "restart_steps_lost": 0}
         if self.stopped_at:
-            last_step, when = self.stopped_at
-            cost.update(restart_steps_lost=max(0, last_step - self.resumed.state.steps),
-                        restart_total_s=time.time() - when)
-        took = f"{cost['restart_total_s']:.1f} s" if "restart_total_s" in cost else "an unknown time"
+            cost.update(restart_steps_lost=max(0, self.stopped_at[0] - self.resumed.state.steps),
+                        restart_total_s=time.time() - self.stopped_at[1])
+        took = f"{cost['restart_total_s']:.1f} s" if self.stopped_at else "an unknown time"
         log.info("restart %d: %d steps lost, %s from the stop to this step", self.restarts,
                  cost["restart_steps_lost"], took)
         return cost
 
     def step_done(self, train_network, state):
-        """Record the step, and save when --checkpoint-steps says so (an epoch's end saves by itself)."""
+        """Record the step, and save it when --checkpoint-steps says so (an epoch's end saves by itself)."""
         self.mark(state.steps)
-        if self.every_steps and state.steps % self.every_steps == 0 and state.steps % self.steps_per_epoch:
+        if self.every and state.steps % self.every == 0 and state.steps % self.steps_per_epoch:
             self.save(train_network, state)
 
     def mark(self, steps):
@@ -193,19 +174,16 @@ class Checkpoints:
             os.pwrite(self._record, f"{steps:12d} {time.time():20.6f}\n".encode(), 0)
 
     def save(self, train_network, state):
-        """The training at `state` as a checkpoint, unless it is saved already; older ones beyond `keep`
-        go."""
+        """The training at `state` as a checkpoint, unless saved already; the oldest beyond `keep` go."""
         if state.steps == self.saved_steps:
             return
-        started = time.perf_counter()
-        position = Position.after(state.steps, self.steps_per_epoch)
+        started, position = time.perf_counter(), Position.after(state.steps, self.steps_per_epoch)
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "course": self.current,
                 "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
                 "history": state.history, "loss_points": state.loss_points}
         save_checkpoint(train_network, self.path(state.steps), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()
-        # The step saved is the newest trained: a stop loses none.
-        self.mark(state.steps)
+        self.mark(state.steps)  # the newest step trained: a stop loses none
         self.saved_steps = state.steps
         self.save_s.append(time.perf_counter() - started)

@@ -1,5 +1,4 @@
-"""What every stage shares: exit codes, the one error type for bad input, logging, files written whole and the
-one lock."""
+"""What every stage shares: exit codes, the bad-input error, logging, files written whole, the one lock."""
 
 import contextlib
 import errno
@@ -72,8 +71,7 @@ def atomic_path(path, suffix=""):
 
 @contextlib.contextmanager
 def catch_full_disk(path):
-    """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4; the rest
-    passes."""
+    """A full volume (or quota) met while writing `path` becomes DiskFull, the job's exit 4."""
     try:
         yield
     except OSError as exc:
@@ -93,8 +91,8 @@ def write_atomic(path, data, sync=True):
 
 def hold_lock(path, what, wait=False, probe=False):
     """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the
-    holder: the kernel drops it however the holder dies. If it is taken: UsageError naming `what` and its
-    holder, or with `wait`, a wait."""
+    holder: the kernel drops it however the holder dies. Taken already: UsageError naming `what` and its
+    holder, or a `wait`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until it is closed)

@@ -46,8 +46,7 @@ def resolve_device(requested):
 
 
 def cap_onednn_isa(environ=os.environ, machine=None):
-    """oneDNN's instruction-set cap: the user's, else AVX2 on x86-64 (before the first CPU kernel), else
-    None."""
+    """oneDNN's ISA cap: the user's, else AVX2 on x86-64 (before the first CPU kernel), else None."""
     for name in ONEDNN_ISA_VARS:
         if environ.get(name):
             return environ[name]
@@ -88,8 +87,7 @@ def worker_cores(cores, local_rank, local_workers):
 
 
 def set_up_worker(device, local_rank, local_workers, bind, threads):
-    """Bind this worker to its cores before MindSpore's pools start, and give them `threads` threads, or one a
-    core; the threads given."""
+    """Bind this worker to its cores before MindSpore's pools start; its `threads` threads, or one a core."""
     cores = worker_cores(usable_cores(), local_rank, local_workers)
     threads = threads or len(cores)
     if device == "CPU":
@@ -102,9 +100,8 @@ def set_up_worker(device, local_rank, local_workers, bind, threads):
 
 
 def init_distributed():
-    """Join the msrun job (HCCL on Ascend, MindSpore's own collective on CPU): (rank, local rank, world
-    size), or (0, 0, 1) alone. msrun's scheduler process never returns from init(): nothing costly happens
-    before it."""
+    """Join the msrun job (HCCL on Ascend, MindSpore's collective on CPU): (rank, local rank, world size), or
+    (0, 0, 1) alone. msrun's scheduler process stays in init(): nothing costly comes before."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
     # MindSpore needs lower <= upper: both are set, or neither.
@@ -121,8 +118,7 @@ def init_distributed():
 
 class Collective:
     """The job's collectives on numpy arrays, and who does what: rank 0 writes, each node's first worker
-    fetches. AllGather serves for reductions too: on CPU AllReduce takes only float32, and rows give the
-    per-rank view."""
+    fetches. AllGather serves for reductions too: on CPU AllReduce takes only float32."""
 
     def __init__(self, rank, local_rank, world_size):
         self.rank, self.world_size = rank, world_size
@@ -136,8 +132,8 @@ class Collective:
 
     def wait_for(self, work=None):
         """`work`'s result, while every rank polls with small gathers until all are done (MindSpore's CPU
-        collective fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError on
-        the others."""
+        collective fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError
+        elsewhere."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
             while True:
@@ -163,8 +159,7 @@ class Collective:
 
 class Evaluation(Metric):
     """The loss, the accuracy and the confusion matrix (rows: the true class) over the whole test set: each
-    rank scores its slice and one gather sums the counts, so a figure is the job's, never rank 0's shard
-    alone."""
+    rank scores its slice, one gather sums the counts, so a figure is the job's, not rank 0's alone."""
 
     def __init__(self, collective, num_classes):
         super().__init__()

@@ -1,5 +1,5 @@
-"""A dataset's IDX files in its data directory, verified against their checksums, from the first source
-that has them: a copy already there, a system copy (a distribution's package), or a mirror. No MindSpore."""
+"""A dataset's IDX files in its data directory, verified, from the first source that has them: a copy there,
+a system copy (a distribution's package), or a mirror. No MindSpore."""
 
 import dataclasses
 import gzip
@@ -20,16 +20,13 @@ DOWNLOAD_RETRIES = 3
 DOWNLOAD_MIN_BYTES_PER_S = 16 << 10
 # The largest official file is 26 MB gzipped; a wrong URL must not fill the disk.
 DOWNLOAD_MAX_BYTES = 64 << 20
-# Seconds between the progress lines of a download.
-PROGRESS_S = 5
-# IDX's magic numbers of unsigned bytes, by number of dimensions.
-IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}
+PROGRESS_S = 5  # between a download's progress lines
+IDX_MAGIC = {1: 0x00000801, 3: 0x00000803}  # of unsigned bytes, by number of dimensions
 
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
-    """Where a file may come from after the data directory (a distribution's package installs the system
-    copies), how long its download may take, and who hears of it."""
+    """Where a file may come from after the data dir, how long its download may take, who hears of it."""
 
     mirrors: tuple = ()
     system_dirs: tuple = ()
@@ -66,8 +63,7 @@ def parse_idx(raw, name="IDX data"):
 
 def check_file(raw, name, expected_sha256):
     """ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
-    # Decompressed once: a gzipped file's checksum is its content's.
-    raw = content(raw, name)
+    raw = content(raw, name)  # once: a gzipped file's checksum is its content's
     parse_idx(raw, name)
     actual = hashlib.sha256(raw).hexdigest()
     if actual != expected_sha256:
@@ -109,30 +105,24 @@ def receive(url, response, sources):
 
 
 def download(url, sources):
-    """The bytes at `url`: sources.timeout per read, sources.deadline in all, DOWNLOAD_RETRIES attempts at
-    transient failures (urllib3's Retry covers the request, not a body cut half-way: one loop does both). A
-    ValueError (over the cap, a trickle, past the deadline) is not retried: another attempt would do the
-    same."""
+    """The bytes at `url`, with DOWNLOAD_RETRIES attempts at transient failures, a body cut half-way too
+    (urllib3's Retry covers only the request). A ValueError (over the cap, a trickle, too late) is final."""
     for attempt in range(1, DOWNLOAD_RETRIES + 1):
         try:
             with urllib.request.urlopen(url, timeout=sources.timeout) as response:
                 return receive(url, response, sources)
         except urllib.error.HTTPError as exc:
-            # A 4xx will not change on a retry.
-            if exc.code < 500 or attempt == DOWNLOAD_RETRIES:
+            if exc.code < 500 or attempt == DOWNLOAD_RETRIES:  # a 4xx will not change
                 raise ConnectionError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-        except OSError as exc:
-            # URLError, a connection's error or a time-out.
+        except OSError as exc:  # URLError, a connection's error or a time-out
             if attempt == DOWNLOAD_RETRIES:
                 reason = getattr(exc, "reason", exc)
                 raise ConnectionError(f"{url}: {reason} (after {attempt} attempts)") from None
-        # 1 s, then 2 s: enough for a restarting server, short enough offline.
-        time.sleep(2 ** (attempt - 1))
+        time.sleep(2 ** (attempt - 1))  # 1 s, 2 s: enough for a restarting server, short enough offline
 
 
 def fetch_file(name, expected, data_dir, sources, problem=""):
-    """A verified copy of one IDX file in data_dir, in place of any bad copy (whose `problem` the error
-    names), from the first source that has one."""
+    """A verified copy of one IDX file in data_dir in place of any bad one (its `problem`), from a source."""
     failures = [problem] if problem else []
     found = [(str(Path(d).resolve()), local_copy(d, name)) for d in sources.system_dirs]
     candidates = [(d, copy) for d, copy in found if copy]
@@ -144,8 +134,7 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
             continue
-        # A bad copy would shadow or confuse the good one.
-        for bad in (data_dir / name, data_dir / f"{name}.gz"):
+        for bad in (data_dir / name, data_dir / f"{name}.gz"):  # it would shadow the good one
             bad.unlink(missing_ok=True)
         common.write_atomic(data_dir / (copy.name if copy else f"{name}.gz"), raw)
         sources.say(f"{name}: verified copy from {source}")
@@ -158,8 +147,7 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
 
 
 def problem_with_copy(data_dir, name, expected):
-    """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" when it has
-    none)."""
+    """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" if it has none)."""
     present = local_copy(data_dir, name)
     try:
         return "" if present is None else check_file(present.read_bytes(), str(present), expected)
@@ -168,26 +156,22 @@ def problem_with_copy(data_dir, name, expected):
 
 
 def ensure_data(data_dir, checksums, sources):
-    """The verified IDX files named by `checksums` in data_dir, with no request when they are there; {name:
-    where it came from}."""
+    """The verified files of `checksums` in data_dir, with no request if they are; {name: its source}."""
     data_dir, here = Path(data_dir), str(Path(data_dir).resolve())
     problems = {name: problem_with_copy(data_dir, name, expected) for name, expected in checksums.items()}
-    # Without the lock, a read-only data dir works, such as one baked into an image.
     if all(problem is None for problem in problems.values()):
-        return dict.fromkeys(checksums, here)
+        return dict.fromkeys(checksums, here)  # no lock: a read-only data dir works, as in an image
     # Two jobs sharing one data dir take turns (the lock makes it); the second finds verified files.
     try:
         with common.hold_lock(data_dir / ".lock", f"--data-dir {data_dir}", wait=True):
-            found = {}
+            found = dict.fromkeys(checksums, here)
             # A verified copy is hashed once; the others again, under the lock.
             for name, expected in checksums.items():
-                problem = None if problems[name] is None else problem_with_copy(data_dir, name, expected)
+                if problems[name] is None or (problem := problem_with_copy(data_dir, name, expected)) is None:
+                    continue
                 if problem:
                     sources.say(f"warning: {problem}; fetching it again")
-                if problem is None:
-                    found[name] = here
-                else:
-                    found[name] = fetch_file(name, expected, data_dir, sources, problem)
+                found[name] = fetch_file(name, expected, data_dir, sources, problem)
             return found
     except OSError as exc:
         raise common.UsageError(f"--data-dir {data_dir}: cannot use it ({exc.strerror})") from None

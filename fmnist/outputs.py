@@ -1,9 +1,6 @@
-"""The job's results: measured on every rank, then written by rank 0, each file whole and logged to the run:
-the model as a checkpoint, as MindIR and as an MLflow model, summary.json (what mixed precision did among its
-figures), and the PNGs (training samples, the training curves, the confusion matrix). matplotlib is imported
-late: only rank 0 draws."""
+"""The results, measured on every rank and written by rank 0, each file whole and logged to the run: the model
+(checkpoint, MindIR, MLflow model), summary.json and the PNGs. matplotlib is imported late: rank 0 draws."""
 
-import dataclasses
 import io
 import json
 import resource
@@ -18,18 +15,8 @@ from . import checkpoints, common, data, distributed, model, serving
 from .common import log
 
 
-@dataclasses.dataclass(frozen=True)
-class Results:
-    """What a finished training reports: summary.json's figures, the loss curve and the confusion matrix."""
-
-    summary: dict
-    loss_points: list
-    confusion: np.ndarray
-
-
 def report(training, splits):
-    """The results of main.Training, measured on every rank (gathers) and written by rank 0: the exit status,
-    1 if the replicas differ."""
+    """A main.Training's results, measured on every rank, written by rank 0; exit 1 if the replicas differ."""
     job, cfg, history, saver = training.job, training.cfg, training.history, training.checkpoints
     # The last validation's confusion is the model's; a job that had nothing left to train measures it again.
     confusion = training.confusion
@@ -44,9 +31,7 @@ def report(training, splits):
     if len(history) > cfg.epochs:
         log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this "
                     "job reports and writes", len(history), cfg.epochs)
-    precision = mixed_precision(training.model.train_network, training.net,
-                                        model.build_network(len(data.CLASS_NAMES)),
-                                        Tensor(data.to_model_input(splits.test.images[:8])))
+    precision = mixed_precision(training.model.train_network, training.net, splits.test.images[:8])
     resumed_at = checkpoints.Position.after(training.resumed_steps, training.steps_per_epoch)
     summary = {
         "device": job.device, "world_size": job.collective.world_size, "amp_level": job.amp_level,
@@ -65,8 +50,7 @@ def report(training, splits):
         "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
     }
-    write_all(cfg, training.net, splits, Results(summary, training.loss_points, confusion),
-                      training.tracker)
+    write_all(training, splits, summary, confusion)
     training.tracker.log_metrics({key: summary[key] for key in ("wall_s", "test_accuracy", "test_loss")},
                                  step=len(history))
     training.tracker.finish("FINISHED" if identical else "FAILED")
@@ -79,36 +63,33 @@ def report(training, splits):
     return 0
 
 
-def write_all(cfg, net, splits, results, tracker):
-    """Every output into cfg.output_dir, each logged to the run as it is written; then the MLflow model."""
-    summary_json = f"{json.dumps(results.summary, indent=2)}\n".encode()
+def write_all(training, splits, summary, confusion):
+    """Every output into the output dir, each logged to the run as it is written; then the MLflow model."""
+    net, cfg, tracker = training.net, training.cfg, training.tracker
     writers = {
         "samples.png": lambda path: draw(sample_grid, path, splits.train, cfg.seed),
         "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
         "model.mindir": lambda path: serving.export_mindir(net, path),
-        "training_curves.png": lambda path: draw(training_curves, path, results.loss_points,
-                                                 results.summary["epoch_history"]),
-        "confusion_matrix.png": lambda path: draw(confusion_matrix, path, results.confusion),
-        "summary.json": lambda path: common.write_atomic(path, summary_json),
+        "training_curves.png": lambda path: draw(curves, path, training.loss_points, training.history),
+        "confusion_matrix.png": lambda path: draw(confusion_matrix, path, confusion),
+        "summary.json": lambda path: common.write_atomic(path, f"{json.dumps(summary, indent=2)}\n".encode()),
     }
     for name, write in writers.items():
         write(cfg.output_dir / name)
         tracker.log_artifact(cfg.output_dir / name)
-    # The MLflow model's input example, with what the network predicts for it.
-    example = splits.test.images[:4]
+    example = splits.test.images[:4]  # the MLflow model's input example, and what it predicts for it
     predictions = serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy())
     tracker.log_model(cfg.output_dir / "model.mindir", example, predictions, cfg.register_model,
-                      results.summary["test_accuracy"])
+                      summary["test_accuracy"])
 
 
-def mixed_precision(train_step, net, float32_net, images):
-    """What mixed precision and loss scaling do in the train step MindSpore built, measured on it:
-    features_dtype, the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error, the
-    largest change of the step's logits against `float32_net` given net's weights; step_loss_scale, the
-    backward pass's factor."""
+def mixed_precision(train_step, net, images):
+    """What amp and loss scaling do in the train step MindSpore built: features_dtype, the dtype the first
+    layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of its logits from a
+    float32 copy's; step_loss_scale, its backward pass's factor."""
+    images, float32_net = Tensor(data.to_model_input(images)), model.build_network(len(data.CLASS_NAMES))
     ms.load_param_into_net(float32_net, net.parameters_dict())
-    # The network as amp rebuilt it.
-    amp_forward = train_step.network._backbone
+    amp_forward = train_step.network._backbone  # the network as amp rebuilt it
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
     logit_error = np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()
     return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
@@ -116,8 +97,7 @@ def mixed_precision(train_step, net, float32_net, images):
 
 
 def draw(picture, path, *args):
-    """`picture(plt, *args)` drawn by matplotlib on its file-only backend, written whole to `path` as a
-    PNG."""
+    """`picture(plt, *args)` drawn on matplotlib's file-only backend, written whole to `path` as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,11 +120,10 @@ def sample_grid(plt, split, seed, count=10):
     return fig
 
 
-def training_curves(plt, loss_points, epoch_history):
+def curves(plt, loss_points, epoch_history):
     """The training loss (per log interval) and the validation loss and accuracy (per epoch)."""
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4), layout="tight")
     epochs = [e["epoch"] for e in epoch_history]
-    # With no points (a job that only reported) the curve is simply absent.
     loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
     loss_ax.plot(epochs, [e["val_loss"] for e in epoch_history], "o-", label="test set", color="tab:orange")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")

@@ -1,7 +1,6 @@
-"""The job's settings, one table (Config) from which the parser, the checks and the course a resume keeps all
-come: every setting is a flag and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning.
-`python -m fmnist.settings WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: a bad
-setting ends there, exit 2 in one line."""
+"""The settings, one table (Config) for the parser, the checks and the course a resume keeps: each is a flag
+and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning. `python -m fmnist.settings
+WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2 in one line."""
 
 import argparse
 import dataclasses
@@ -15,6 +14,7 @@ from . import common, data
 OFFICIAL_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 DEVICES = ("auto", "Ascend", "CPU")
 AMP_LEVELS = ("auto", "O0", "O1", "O2", "O3")
+TRACKING = ("on", "offline", "off")
 POSITIVE = (lambda value: value > 0, "must be positive")
 NON_NEGATIVE = (lambda value: value >= 0, "must be >= 0")
 BELOW_ONE = (lambda value: 0 <= value < 1, "must be in [0, 1)")
@@ -31,8 +31,7 @@ def is_positive_number(text):
 
 
 def setting(default, help, choices=(), check=None, course=False):  # noqa: A002 (argparse's word)
-    """A field of Config: its default, help, choices, check, and whether it shapes the training's course,
-    which a resume must keep (where things are and how long to train do not)."""
+    """A field of Config; `course`: it shapes the training, so a resume keeps it (where, or how long, not)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "check": check,
                                                          "course": course})
 
@@ -42,67 +41,48 @@ class Config:
     """The settings of one job, as read and checked by parse_config(): the one table of them."""
 
     epochs: int = setting(10, "training epochs in total", check=POSITIVE)
-    batch_size: int = setting(
-        64, "batch size per device; the global batch is this times the world size (the default is lowered to "
-        "fit a smaller training set)", check=POSITIVE, course=True)
+    batch_size: int = setting(64, "batch size per device (the default fits itself to a small training set); "
+                              "times the world size, the global batch", check=POSITIVE, course=True)
     lr: float = setting(0.1, "learning rate", check=POSITIVE, course=True)
     optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"), course=True)
     momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE, course=True)
     weight_decay: float = setting(0.0, "L2 weight decay", check=NON_NEGATIVE, course=True)
     # amp and loss scale are free as asked for: what the job resolves them to is checked on resume instead.
-    amp: str = setting(
-        "auto", "mixed-precision level; auto is O2 on Ascend and O0 on CPU", choices=AMP_LEVELS)
-    loss_scale: str = setting(
-        "auto", "loss scaling: none, dynamic (Ascend only), or a number for a fixed scale; auto is dynamic "
-        "for O2 on Ascend and none otherwise", check=LOSS_SCALE)
-    device: str = setting(
-        "auto", "device; auto picks Ascend when present, else CPU", choices=DEVICES, course=True)
-    seed: int = setting(
-        42, "random seed; the same on every rank so all replicas start identical", course=True)
+    amp: str = setting("auto", "mixed precision; auto: O2 on Ascend, O0 on CPU", choices=AMP_LEVELS)
+    loss_scale: str = setting("auto", "none, dynamic (Ascend only) or a fixed scale; auto: dynamic for O2 on "
+                              "Ascend, else none", check=LOSS_SCALE)
+    device: str = setting("auto", "auto: Ascend when present, else CPU", choices=DEVICES, course=True)
+    seed: int = setting(42, "random seed, the same on every rank: the replicas start identical", course=True)
     data_dir: Path = setting(Path("data"), "where Fashion-MNIST is, or is put")
-    data_mirrors: str = setting(
-        OFFICIAL_MIRROR, "base URLs to download from, comma-separated, tried in order after local copies; "
-        "empty: never download")
-    checksums_file: str = setting(
-        "", "sha256sum-style file replacing the pinned checksums of the four IDX files (to train on another "
-        "IDX dataset)")
-    download_timeout: float = setting(
-        30.0, "seconds without progress before a download is abandoned", check=POSITIVE)
+    data_mirrors: str = setting(OFFICIAL_MIRROR, "base URLs to download from, comma-separated, after local "
+                                "copies; empty: never download")
+    checksums_file: str = setting("", "sha256sum-style file for the four IDX files (another IDX dataset)")
+    download_timeout: float = setting(30.0, "seconds without progress before a download is abandoned",
+                                      check=POSITIVE)
     download_deadline: float = setting(600.0, "seconds one file's download may take in all", check=POSITIVE)
     output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go")
-    resume: str = setting(
-        "auto", "auto: continue from the newest good checkpoint in the output dir; never: start fresh",
-        choices=("auto", "never"))
-    checkpoint_steps: int = setting(
-        0, "also checkpoint every N steps, so that a kill -9 loses fewer than N steps; 0: at the end of each "
-        "epoch only", check=NON_NEGATIVE)
-    keep_checkpoints: int = setting(
-        3, "checkpoints kept in <output-dir>/checkpoints, the newest", check=POSITIVE)
+    resume: str = setting("auto", "auto: continue from the newest good checkpoint; never: start fresh",
+                          choices=("auto", "never"))
+    checkpoint_steps: int = setting(0, "also checkpoint every N steps (a kill -9 loses fewer); 0: at each "
+                                    "epoch's end only", check=NON_NEGATIVE)
+    keep_checkpoints: int = setting(3, "checkpoints kept in <output-dir>/checkpoints", check=POSITIVE)
     predict: str = setting("", "evaluate a saved model (.ckpt or .mindir) on the test set, then exit")
     experiment: str = setting("fashion-mnist-lenet", "MLflow experiment name")
     run_name: str = setting("", "MLflow run name (default: MLflow picks one)")
-    tracking: str = setting(
-        "on", "on: the MLflow journal in the output dir, sent as the job goes; offline: the journal only, "
-        "for `python -m fmnist.tracking sync`; off: none", choices=("on", "offline", "off"))
-    tracking_wait: int = setting(
-        60, "seconds a finishing job gives an unreachable MLflow server before leaving the rest in the "
-        "journal", check=POSITIVE)
-    register_model: str = setting(
-        "", "register the trained model under this name in the MLflow Model Registry (default: not "
-        "registered)")
-    divergence_check: str = setting(
-        "on", "on: stop as diverged (exit 3) when the training loss explodes, or when after the first epoch "
-        "past 200 steps the network does no better than chance; off: only a non-finite loss stops it",
-        choices=("on", "off"))
-    log_interval: int = setting(
-        100, "steps between progress lines and training-loss points; an epoch's end closes one too",
-        check=POSITIVE)
-    threads: int = setting(
-        0, "CPU threads per worker for kernels and the data pipeline; 0: one per core of the worker's share "
-        "of this machine (see --cpu-bind)", check=NON_NEGATIVE)
-    cpu_bind: str = setting(
-        "on", "on: bind each CPU worker to its own share of this machine's cores, divided among its workers "
-        "(LOCAL_WORKERS, else the world size)", choices=("on", "off"))
+    tracking: str = setting("on", "on: the MLflow journal, sent as the job goes; offline: the journal only, "
+                            "for `python -m fmnist.tracking sync`; off: none", choices=TRACKING)
+    tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow server",
+                                 check=POSITIVE)
+    register_model: str = setting("", "register the model under this name in MLflow's Model Registry")
+    divergence_check: str = setting("on", "on: exit 3 when the training loss explodes, or past 200 steps "
+                                    "the network is no better than chance; off: only a non-finite loss stops",
+                                    choices=("on", "off"))
+    log_interval: int = setting(100, "steps between progress lines; an epoch's end closes one too",
+                                check=POSITIVE)
+    threads: int = setting(0, "CPU threads per worker; 0: one per core of its share (--cpu-bind)",
+                           check=NON_NEGATIVE)
+    cpu_bind: str = setting("on", "on: each CPU worker bound to its share of this machine's cores "
+                            "(LOCAL_WORKERS workers, else the world size)", choices=("on", "off"))
 
 
 FIELDS = dataclasses.fields(Config)
@@ -158,8 +138,7 @@ def parse_config(argv=None):
 
 def resolve_precision(amp, loss_scale, device):
     """(amp level, loss scaling) on `device`: amp auto is O2 on Ascend (float16 pays off on its cube units,
-    and only adds casts on CPU), else O0; loss scaling auto is MindSpore's default (dynamic for O2 on
-    Ascend), else none."""
+    and only adds casts on CPU), else O0; loss scaling auto is MindSpore's default."""
     amp_level = amp if amp != "auto" else "O2" if device == "Ascend" else "O0"
     if loss_scale == "auto":
         return amp_level, "dynamic" if amp_level == "O2" and device == "Ascend" else "none"
@@ -170,8 +149,8 @@ def resolve_precision(amp, loss_scale, device):
 
 
 def check_against_data(cfg, world_size, train_count, test_count):
-    """The settings, if every rank has test images and a step's global batch fits the training set (the
-    default batch size is lowered to fit); else UsageError naming the limit."""
+    """The settings if every rank has test images and a global batch fits the training set (a default batch
+    size is lowered to fit); else UsageError naming the limit."""
     if test_count < world_size:
         raise common.UsageError(f"the test set has {test_count} images, fewer than the {world_size} workers "
                                 "that each evaluate a share of it: use fewer workers")
@@ -184,8 +163,7 @@ def check_against_data(cfg, world_size, train_count, test_count):
         return dataclasses.replace(cfg, batch_size=fitted)
     fix = f"use --batch-size {fitted} or less" if fitted else "use fewer workers"
     raise common.UsageError(f"--batch-size {cfg.batch_size} with {world_size} worker(s) takes {per_step} "
-                            f"training images a step, but the training set has {train_count}: {fix} (flag or "
-                            "BATCH_SIZE)")
+                            f"training images a step, but the training set has {train_count}: {fix}")
 
 
 def main(argv):
@@ -195,20 +173,17 @@ def main(argv):
             raise common.UsageError("usage: python -m fmnist.settings WORLD_SIZE [main.py flags...]")
         cfg = parse_config(argv[1:])
         checksums = data.load_checksums(cfg.checksums_file)
-        # The one setting the device decides on, and so the one check that needs MindSpore.
-        if cfg.loss_scale == "dynamic":
+        if cfg.loss_scale == "dynamic":  # the one check the device decides, which needs MindSpore
             from . import distributed
             resolve_precision(cfg.amp, cfg.loss_scale, distributed.resolve_device(cfg.device))
-        # Only node 0's job writes there, and holds its lock.
-        if os.environ.get("NODE_RANK", "0") == "0":
+        if os.environ.get("NODE_RANK", "0") == "0":  # whose job writes there, and holds its lock
             common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
-        sizes = data.sizes(cfg.data_dir, checksums)
-        if sizes is None:
-            # The job will fetch the data there, under this lock, which waits for another job's fetch.
+        if sizes := data.sizes(cfg.data_dir, checksums):
+            check_against_data(cfg, int(argv[0]), *sizes)
+        else:
+            # The job will fetch the data there under this lock, which waits for another job's fetch.
             what = f"--data-dir {cfg.data_dir}"
             common.hold_lock(cfg.data_dir / ".lock", what, wait=True, probe=True).close()
-        else:
-            check_against_data(cfg, int(argv[0]), *sizes)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE

@@ -1,7 +1,6 @@
-"""Every MLflow call of the job. Rank 0 appends each tracking operation, in order, to a journal in the output
-directory; one sender carries it to MLflow from the position it recorded last, on a thread as the job runs or
-later as `python -m fmnist.tracking sync OUTPUT_DIR`. No MindSpore here: `sync` starts in a second. The rules
-(what is retried, what ends the job, what waits for sync) are in docs/tracking.md."""
+"""Every MLflow call of the job: rank 0 journals each operation in the output directory, and one sender
+carries the journal to MLflow as the job runs, or later as `python -m fmnist.tracking sync`
+(docs/tracking.md)."""
 
 import argparse
 import dataclasses
@@ -23,8 +22,8 @@ from . import common, data
 from .common import log
 
 JOURNAL, POSITION = "mlflow-journal.jsonl", "mlflow-journal.position"
-# MLflow retries a dead server for minutes by default, where the sender retries on its own; and its telemetry
-# would be one more thread reaching for the internet from every training pod.
+# MLflow retries a dead server for minutes, where the sender retries on its own; its telemetry would reach for
+# the internet from every training pod.
 MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
                    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI's "Model training" view
@@ -33,13 +32,11 @@ MAX_METRICS = 1000  # a log_batch request's limit
 START_WAIT_S = 15  # what training waits for the run's creation to be tried
 STOP_TIMEOUT_S = 10  # what a stopped job waits for MLflow: a pod's 30 s grace period must hold it all
 PACKAGE_DIR = Path(__file__).resolve().parent
-# The served model's loader, by name: importing it would load MindSpore here.
-SERVING_MODULE = "fmnist.serving"
+SERVING_MODULE = "fmnist.serving"  # by name: importing it would load MindSpore here
 
 
 def transient(exc):
-    """Whether a failure is worth retrying: unreachable, timed out, 429 or 5xx; or a local store that another
-    process holds or is creating (its migrations, a locked SQLite file)."""
+    """Worth retrying: unreachable, timed out, 429 or 5xx, or a local store another process holds or makes."""
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import OperationalError
     if isinstance(exc, MlflowException):
@@ -56,8 +53,7 @@ class Journal:
         self.size_before = None  # this process's first line's offset, for a rollback
 
     def append(self, op, **fields):
-        # json.dumps refuses what it could not read back before anything is written.
-        line = json.dumps({"op": op, **fields}) + "\n"
+        line = json.dumps({"op": op, **fields}) + "\n"  # refuses what it could not read back
         with self.appended, common.catch_full_disk(self.path):
             if self.size_before is None:
                 self.size_before = self.path.stat().st_size if self.path.exists() else 0
@@ -65,14 +61,13 @@ class Journal:
                 out.write(line)
             self.appended.notify_all()
 
-    def rollback(self):
-        """Remove what this process appended."""
+    def rollback(self):  # what this process appended
         if self.size_before is not None:
             os.truncate(self.path, self.size_before)
 
     def read_from(self, offset):
-        """[(offset after the line, the line's object)] of the whole lines after `offset`; a line without its
-        newline is still being written."""
+        """[(offset after the line, its object)] of the whole lines after `offset`; the rest is being
+        written."""
         lines = []
         if self.path.exists():
             with open(self.path, "rb") as journal:
@@ -84,8 +79,8 @@ class Journal:
 
 
 def batch(pending):
-    """The first of `pending`'s operations, and how many lines it takes: metric lines in a row are one
-    request, up to MAX_METRICS points."""
+    """The first operation of `pending`, and how many lines it takes: metric lines in a row are one
+    request."""
     first = pending[0][1]
     if first["op"] != "metrics":
         return first, 1
@@ -98,9 +93,9 @@ def batch(pending):
 
 
 class Sender:
-    """Sends a journal's lines in order from the recorded position, which moves (with the run's id) only past
-    what MLflow took. A transient failure is retried; a refused start is bad input; any other failure stops
-    the sending, and the line waits in the journal with all after it, for `sync`."""
+    """Sends a journal in order from the recorded position, which moves (with the run's id) only past what
+    MLflow took. A transient failure is retried; a refused start is bad input; after any other, the line
+    waits."""
 
     def __init__(self, output_dir):
         import mlflow
@@ -116,8 +111,8 @@ class Sender:
         return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
-        """Send what waits; True when nothing is left. Transient failures are retried until stopping(); after
-        another, False, and `stuck` names the line."""
+        """Send what waits: True if nothing is left, False if stopping() or `stuck` (naming the line) ends
+        it."""
         pending = self.unsent()
         while pending and not self.stuck:
             op, count = batch(pending)
@@ -185,18 +180,16 @@ class Sender:
         self.client.log_inputs(self.run_id, [
             DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", context)])
             for context, fields in op["datasets"]])
-        # A server's page is the UI's model-training view of the run.
         page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}?workflowType="
-                "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)
+                "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)  # the UI's
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
-        """The MindIR as the run's pyfunc model `model`, registered when asked. Its input is float64: MLflow
-        casts a request to the declared type, and uint8 would wrap 300 to 44 unseen."""
+        """The MindIR as the run's pyfunc model, registered when asked. Its input is float64: MLflow casts a
+        request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
-        # MLflow warns that integer columns cannot hold NaN: the predictions have none.
-        with warnings.catch_warnings(action="ignore", category=UserWarning):
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # int columns and NaN
             signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
             version = self.mlflow.pyfunc.log_model(
@@ -279,8 +272,7 @@ class Tracker:
 
     def _follow(self):
         while not self.sender.stuck:
-            # Read before the journal: once it is set, the end is in the journal.
-            finishing = self.finishing.is_set()
+            finishing = self.finishing.is_set()  # before the journal is read: then the end is in it
             try:
                 if self.sender.send_unsent(stopping=self.finishing.is_set) and finishing:
                     return
@@ -312,9 +304,8 @@ class Tracker:
 
 
 def start(job, continues, splits, sources):
-    """The tracker of a main.Job: rank 0 journals the run's start (settings, tags, datasets) and, online,
-    creates or continues the run before training, a refusal being bad input on every rank; further nodes watch
-    their own system. A collective."""
+    """A main.Job's tracker: rank 0 journals the run's start and, online, creates or continues the run (a
+    refusal is bad input on every rank); further nodes watch their own system. A collective."""
     cfg, collective = job.cfg, job.collective
     node = f"node{os.environ.get('NODE_RANK', '0')}"  # in system metrics' names; run.sh exports NODE_RANK
     if cfg.tracking == "off":
@@ -355,8 +346,7 @@ def dataset_entities(splits, checksums, sources):
     for context, split, part in (("training", "train", splits.train), ("evaluation", "test", splits.test)):
         names = data.FILES[split]
         digest = hashlib.sha256("".join(checksums[name] for name in names).encode()).hexdigest()[:32]
-        # MLflow warns that a local path could be two kinds of source.
-        with warnings.catch_warnings(action="ignore", category=UserWarning):
+        with warnings.catch_warnings(action="ignore", category=UserWarning):  # a path's two kinds of source
             dataset = mlflow.data.from_numpy(part.images, targets=part.labels, digest=digest,
                                              source=sources.get(names[0], ""), name=f"{data.NAME}-{split}")
         entities.append((context, dataset._to_mlflow_entity().to_dictionary()))
@@ -377,7 +367,6 @@ def main(argv=None):
     try:
         if not (args.output_dir / JOURNAL).exists():
             raise common.UsageError(f"{args.output_dir} holds no MLflow journal ({JOURNAL})")
-        # A running job sends its own journal: sync refuses while a job holds the output directory.
         with common.hold_lock(args.output_dir / ".lock", str(args.output_dir)):
             sender, deadline = Sender(args.output_dir), time.monotonic() + args.timeout
             sent = sender.send_unsent(stopping=lambda: time.monotonic() > deadline)
