@@ -10,25 +10,18 @@ import socket
 import time
 
 JOB_VERSION = "1.0.0"
-# Exit statuses that a retry of the same pod cannot mend (k8s-job.yaml's podFailurePolicy reads them): bad
-# settings or data; a training that diverged, which diverges again with the same settings; a full volume.
-EXIT_USAGE = 2
-EXIT_DIVERGED = 3
-EXIT_DISK_FULL = 4
+# Exits that a retry of the same pod cannot mend, which k8s-job.yaml's podFailurePolicy reads.
+EXIT_USAGE, EXIT_DIVERGED, EXIT_DISK_FULL = 2, 3, 4  # bad settings or data; diverged; a full volume
 
 log = logging.getLogger("fashion-mnist")
 
 
 class UsageError(Exception):
-    """A setting or the data is wrong; the message says what and how to fix it."""
-
-    status = EXIT_USAGE
+    status = EXIT_USAGE  # a setting or the data is wrong; the message says what, and how to fix it
 
 
 class DiskFull(Exception):
-    """No space (or quota) was left for a file the job writes; nothing half-written was kept."""
-
-    status = EXIT_DISK_FULL
+    status = EXIT_DISK_FULL  # no space (or quota) for a file the job writes; nothing half-written was kept
 
     def __init__(self, path, exc):
         super().__init__(f"no space left on the device of {path} ({exc.strerror}); free some space there or "
@@ -55,15 +48,14 @@ def configure_logging(rank):
 
 @contextlib.contextmanager
 def atomic_path(path, suffix=""):
-    """A temporary name beside `path`, renamed to it when the block succeeds and removed when it fails: `path`
-    is whole or absent. `suffix` is for writers that insist on one (MindSpore's)."""
+    """A temporary name beside `path`, renamed to it when the block succeeds, removed (with the writer's own
+    temporaries, MindSpore's .tmp) when it fails. `suffix` is for writers that insist on one."""
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.part{suffix}")
     with catch_full_disk(path):
         try:
             yield tmp
             os.replace(tmp, path)
         except BaseException:
-            # The writer's own temporaries go too (MindSpore's .tmp).
             for leftover in tmp.parent.glob(f"{tmp.stem}*"):
                 leftover.unlink(missing_ok=True)
             raise
@@ -90,15 +82,13 @@ def write_atomic(path, data, sync=True):
 
 
 def hold_lock(path, what, wait=False, probe=False):
-    """A flock on `path` (exclusive; shared to `probe`), held by the open file returned, which names the
-    holder: the kernel drops it however the holder dies. Taken already: UsageError naming `what` and its
-    holder, or a `wait`."""
+    """A flock on `path` (shared to `probe`), held by the open file returned, which names the holder; the
+    kernel drops it however the holder dies. Taken already: UsageError naming the holder, or a `wait`."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held until it is closed)
     except OSError as exc:
-        problem = f"{what}: cannot use it ({exc.strerror}); give a directory this user may write in"
-        raise UsageError(problem) from None
+        raise UsageError(f"{what}: cannot use it ({exc.strerror}); give one this user can write in") from None
     try:
         fcntl.flock(lock, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:

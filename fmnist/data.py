@@ -1,7 +1,6 @@
-"""The dataset, one of the two seams to replace for your own training (model.py is the other): its files
-and where they come from, the classes, the splits as uint8 images [N, H, W(, C)] and integer labels, and
-the network's input made from them (to_model_input, for training and serving alike). No MindSpore at
-import: run.sh's check before msrun reads the data's size through it."""
+"""The dataset, a seam to replace for your own training (model.py is the other): its files and their sources,
+the classes, the splits (uint8 images [N, H, W(, C)], integer labels) and the network's input made from them
+(to_model_input, for training and serving alike). No MindSpore at import: run.sh's check loads the splits."""
 
 import dataclasses
 from pathlib import Path
@@ -24,8 +23,7 @@ CHECKSUMS = {
     "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
     "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
 }
-# Where Debian's and Ubuntu's package of the dataset installs it.
-PACKAGE, SYSTEM_DIRS = "dataset-fashion-mnist", ("/usr/share/datasets/fashion-mnist",)
+PACKAGE, SYSTEM_DIRS = "dataset-fashion-mnist", ("/usr/share/datasets/fashion-mnist",)  # Debian's, Ubuntu's
 
 
 def load_checksums(path):
@@ -69,25 +67,13 @@ def load_splits(data_dir):
 
 def load_split(data_dir, split):
     try:
-        images, labels = (fetch.parse_idx(fetch.local_copy(data_dir, name).read_bytes(), name)
-                          for name in FILES[split])
+        paths = [fetch.local_copy(data_dir, name) or Path(data_dir, name) for name in FILES[split]]
+        images, labels = (fetch.parse_idx(path.read_bytes(), path.name) for path in paths)
     except (OSError, ValueError) as exc:
         raise common.UsageError(f"--data-dir {data_dir}: cannot read the {split} split ({exc})") from None
     if len(images) != len(labels):
         raise common.UsageError(f"{data_dir}: {split} has {len(images)} images but {len(labels)} labels")
     return Split(images, labels)
-
-
-def sizes(data_dir, checksums):
-    """(training images, test images) from the label files when every file is there, else None: run.sh's check
-    before msrun, which leaves verifying them to the job."""
-    if not all(fetch.local_copy(data_dir, name) for name in checksums):
-        return None
-    try:
-        return tuple(len(fetch.parse_idx(fetch.local_copy(data_dir, FILES[split][1]).read_bytes()))
-                     for split in ("train", "test"))
-    except (OSError, ValueError):
-        return None
 
 
 def to_model_input(images):

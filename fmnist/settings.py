@@ -172,18 +172,20 @@ def main(argv):
         if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
             raise common.UsageError("usage: python -m fmnist.settings WORLD_SIZE [main.py flags...]")
         cfg = parse_config(argv[1:])
-        checksums = data.load_checksums(cfg.checksums_file)
+        data.load_checksums(cfg.checksums_file)
         if cfg.loss_scale == "dynamic":  # the one check the device decides, which needs MindSpore
             from . import distributed
             resolve_precision(cfg.amp, cfg.loss_scale, distributed.resolve_device(cfg.device))
         if os.environ.get("NODE_RANK", "0") == "0":  # whose job writes there, and holds its lock
             common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
-        if sizes := data.sizes(cfg.data_dir, checksums):
-            check_against_data(cfg, int(argv[0]), *sizes)
-        else:
+        try:
+            splits = data.load_splits(cfg.data_dir)
+        except common.UsageError:
             # The job will fetch the data there under this lock, which waits for another job's fetch.
             what = f"--data-dir {cfg.data_dir}"
             common.hold_lock(cfg.data_dir / ".lock", what, wait=True, probe=True).close()
+        else:
+            check_against_data(cfg, int(argv[0]), len(splits.train.labels), len(splits.test.labels))
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
