@@ -197,10 +197,9 @@ class Startup:
 
 class Training(Callback):
     """The training and the one owner of its state: the network and its Model, this rank's shard and test
-    slice, the tracker, rank 0's checkpoints, and the clock, `steps`, the global steps done since the training
-    began. Model.fit calls it where a loop acts: after each step, the checkpoint when due; every log interval
-    one gather (the loss, a stop request), the checks, the progress line and the tracking; at an epoch's end,
-    the validation."""
+    slice, the tracker, rank 0's checkpoints, and the clock, `steps`, the global steps done. Model.fit calls
+    it where a loop acts: after each step, the checkpoint when due; every log interval one gather (the loss, a
+    stop request), the checks, the progress line and the tracking; at an epoch's end, the validation."""
 
     def __init__(self, job, splits, startup):
         super().__init__()

@@ -1,5 +1,5 @@
 """This worker's place in the msrun job: its device and CPU share, joining, the collectives and the figures
-gathered through them (the test set's, the replicas' weights), and the stop request every rank agrees on."""
+they gather (the test set's, the replicas' weights), and the stop request the ranks agree on."""
 
 import concurrent.futures
 import hashlib
@@ -25,20 +25,17 @@ from . import common
 # several times faster (docs/performance.md). A user's own cap wins.
 ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
-# Up to 32 MB of gradients in one fused all-reduce.
-GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}
+GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB of gradients in one fused all-reduce
 # A node learns that every node has joined, and leaves the job, at its heartbeat to msrun's scheduler: by
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
-# Seconds between the small gathers of Collective.wait_for.
-POLL_S = 0.2
+POLL_S = 0.2  # seconds between the small gathers of Collective.wait_for
 
 
 def resolve_device(requested):
     if requested != "auto":
         return requested
-    # is_available() warns of the missing Ascend plugin: on CPU, as expected.
-    logging.disable(logging.WARNING)
+    logging.disable(logging.WARNING)  # is_available() warns of the missing Ascend plugin, as expected on CPU
     try:
         return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
     finally:
@@ -73,8 +70,7 @@ def usable_cores(cgroup_cpu_max="/sys/fs/cgroup/cpu.max"):
     try:
         quota, period = Path(cgroup_cpu_max).read_text().split()
         return cores[:max(1, math.ceil(int(quota) / int(period)))]
-    except (OSError, ValueError):
-        # No cgroup v2, or "max": no quota.
+    except (OSError, ValueError):  # no cgroup v2, or "max": no quota
         return cores
 
 
@@ -104,16 +100,14 @@ def init_distributed():
     (0, 0, 1) alone. msrun's scheduler process stays in init(): nothing costly comes before."""
     if "MS_ROLE" not in os.environ:
         return 0, 0, 1
-    # MindSpore needs lower <= upper: both are set, or neither.
-    if not any(name in os.environ for name in HEARTBEAT_S):
+    if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
         os.environ.update(HEARTBEAT_S)
     init()
     world_size = get_group_size()
     # Averaged gradients, in one fused all-reduce for all of LeNet's (240 KB) instead of one per parameter.
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  device_num=world_size, comm_fusion=GRADIENT_FUSION)
-    # msrun numbers a node's workers in DEVICE_ID.
-    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size
+    return get_rank(), int(os.environ.get("DEVICE_ID", "0")), world_size  # msrun numbers a node's workers
 
 
 class Collective:
@@ -131,7 +125,7 @@ class Collective:
         return array[None] if self._gather is None else self._gather(Tensor(array[None])).asnumpy()
 
     def wait_for(self, work=None):
-        """`work`'s result, while every rank polls with small gathers until all are done (MindSpore's CPU
+        """`work`'s result, while every rank polls with small gathers till all are done (MindSpore's CPU
         collective fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError
         elsewhere."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -142,8 +136,7 @@ class Collective:
                 if states.all():
                     break
                 time.sleep(POLL_S)
-        # This rank's error, if it failed, is raised here.
-        result = future.result() if future else None
+        result = future.result() if future else None  # raises this rank's error
         if (states == 2).any():
             # The failed rank exits first, so that msrun and run.sh report its status and its log.
             time.sleep(1)
@@ -169,11 +162,9 @@ class Evaluation(Metric):
     def clear(self):
         self._loss, self._confusion = 0.0, np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
 
-    def update(self, *inputs):
-        """Logits and one-hot labels, as Model.eval passes them."""
+    def update(self, *inputs):  # logits and one-hot labels, as Model.eval passes them
         logits, labels = inputs[0].asnumpy().astype(np.float64), inputs[1].asnumpy()
-        # The cross-entropy, computed stably.
-        self._loss -= float((labels * log_softmax(logits, axis=1)).sum())
+        self._loss -= float((labels * log_softmax(logits, axis=1)).sum())  # the cross-entropy, stably
         np.add.at(self._confusion, (labels.argmax(axis=1), logits.argmax(axis=1)), 1)
 
     def eval(self):
@@ -196,17 +187,15 @@ def replicas_identical(collective, net):
 
 
 class Terminated(Exception):
-    """SIGTERM or SIGINT asked the job to stop; every rank stops at the same step."""
-
     def __init__(self, signum, step):
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
         self.signum = signum
 
 
 class StopRequest:
-    """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at the next log interval
-    (one rank stopping alone would leave the others in a collective); one that comes as the job stops or
-    reports changes nothing. Before training they end the process: every write is atomic."""
+    """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at a log interval (one rank
+    stopping alone would hang the others in a collective), moot as the job ends. Before, they end the process:
+    writes are atomic."""
 
     signum = 0
 

@@ -1,6 +1,5 @@
 """The network, the other seam to replace for your own training: build_network(num_classes), a cell from
-float32 [N, C, 28, 28] (data.to_model_input) to logits [N, num_classes]. Nothing else in the job knows its
-layers."""
+float32 [N, C, 28, 28] (data.to_model_input) to logits [N, num_classes]; nothing else knows its layers."""
 
 import mindspore as ms
 from mindspore import nn, ops
@@ -8,8 +7,7 @@ from mindspore import nn, ops
 
 class MaxPool2x2(nn.Cell):
     """nn.MaxPool2d(2, 2) bit for bit, by adaptive max-pooling to half size on CPU: nn.MaxPool2d's oneDNN
-    kernel for plain NCHW under the AVX2 cap is its slow reference code (docs/performance.md, "Where a step
-    goes")."""
+    kernel for plain NCHW under the AVX2 cap is its slow reference code (docs/performance.md)."""
 
     def __init__(self):
         super().__init__()

@@ -1,5 +1,4 @@
-"""The trained model outside training: exported as MindIR, evaluated by --predict, and served by
-`mlflow models serve` as a pyfunc model whose loader is this module."""
+"""The trained model outside training: its MindIR, --predict, the pyfunc loader `mlflow models serve` runs."""
 
 import os
 import threading
@@ -26,8 +25,7 @@ def export_mindir(net, path):
 
 
 def load_model(path):
-    """A saved model (MindIR, or a checkpoint of model.build_network()'s weights) as a cell; else
-    UsageError."""
+    """A saved model (MindIR, or a checkpoint of build_network()'s weights) as a cell; else UsageError."""
     try:
         if path.endswith(".mindir"):
             return nn.GraphCell(ms.load(path))
@@ -68,8 +66,8 @@ _GRAPH_EXECUTOR = threading.Lock()
 
 
 def pixels(batch):
-    """A batch [N, 28, 28] of whole numbers from 0 to 255, as the IDX files hold them, as uint8; else
-    ValueError (MLflow answers 400). MLflow's schema has checked the shape and that they are numbers."""
+    """A batch [N, 28, 28] of whole numbers from 0 to 255 (as in the IDX files) as uint8, else ValueError
+    (MLflow answers 400); MLflow's schema has checked the shape and that they are numbers."""
     values = np.asarray(batch, dtype=np.float64)
     fractional = values[values != np.round(values)]  # NaN among them
     if fractional.size:
@@ -87,8 +85,7 @@ class ServedModel:
     def __init__(self, mindir):
         distributed.cap_onednn_isa()  # in the serving process as in training, before its first CPU kernel
         self.net = nn.GraphCell(ms.load(str(mindir)))
-        # Compiled now, not by the first request.
-        self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))
+        self._logits(np.zeros((1, data.IMAGE_SIZE, data.IMAGE_SIZE), np.uint8))  # compiled now, not later
 
     def predict(self, model_input, params=None):
         from mlflow.exceptions import MlflowException

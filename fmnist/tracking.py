@@ -1,6 +1,5 @@
-"""Every MLflow call of the job: rank 0 journals each operation in the output directory, and one sender
-carries the journal to MLflow as the job runs, or later as `python -m fmnist.tracking sync`
-(docs/tracking.md)."""
+"""Every MLflow call: rank 0 journals each operation in the output directory, and one sender carries the
+journal to MLflow as the job runs, or later as `python -m fmnist.tracking sync` (docs/tracking.md)."""
 
 import argparse
 import dataclasses
@@ -66,7 +65,7 @@ class Journal:
             os.truncate(self.path, self.size_before)
 
     def read_from(self, offset):
-        """[(offset after the line, its object)] of the whole lines after `offset`; the rest is being
+        """[(offset after the line, its object)] of the whole lines after `offset`: the rest is being
         written."""
         lines = []
         if self.path.exists():
@@ -79,8 +78,7 @@ class Journal:
 
 
 def batch(pending):
-    """The first operation of `pending`, and how many lines it takes: metric lines in a row are one
-    request."""
+    """The first operation of `pending` and how many lines it takes: metric lines in a row are one request."""
     first = pending[0][1]
     if first["op"] != "metrics":
         return first, 1
@@ -216,8 +214,7 @@ class Tracker:
     """Rank 0's tracking: it appends to the journal; online, a sender thread follows it."""
 
     def __init__(self, cfg, node):
-        self.output_dir, self.online, self.wait_s = cfg.output_dir, cfg.tracking == "on", cfg.tracking_wait
-        self.node = node
+        self.cfg, self.output_dir, self.online, self.node = cfg, cfg.output_dir, cfg.tracking == "on", node
         self.journal, self.sender, self.thread = Journal(cfg.output_dir / JOURNAL), None, None
         self.finishing, self.system_stopped = threading.Event(), threading.Event()
 
@@ -225,12 +222,12 @@ class Tracker:
     def run_id(self):
         return self.sender and self.sender.run_id
 
-    def start(self, cfg, params, tags, datasets, continues):
+    def start(self, params, tags, datasets, continues):
         """Journal the run's start with MLflow's context tags (user, source, commit); online, await it."""
         import mlflow
-        self.journal.append("start", experiment=cfg.experiment, run_name=cfg.run_name, datasets=datasets,
-                            params={key: str(value) for key, value in params.items()}, continues=continues,
-                            tags=mlflow.tracking.context.registry.resolve_tags(tags))
+        self.journal.append("start", experiment=self.cfg.experiment, run_name=self.cfg.run_name,
+                            params={key: str(value) for key, value in params.items()}, datasets=datasets,
+                            tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
         if self.online:
             started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
             self.sender = Sender(self.output_dir)
@@ -264,11 +261,11 @@ class Tracker:
             log.info("MLflow: offline; `python -m fmnist.tracking sync %s` sends the run", self.output_dir)
             return
         self.finishing.set()
-        self.thread.join(timeout or self.wait_s)
+        self.thread.join(timeout := timeout or self.cfg.tracking_wait)
         if (left := len(self.sender.unsent())) and not self.sender.stuck:
             log.warning("MLflow: %s did not take the last %d operations within %.0f s; they wait in %s: the "
                         "next start sends them, or `python -m fmnist.tracking sync %s`", self.sender.uri,
-                        left, timeout or self.wait_s, self.journal.path, self.output_dir)
+                        left, timeout, self.journal.path, self.output_dir)
 
     def _follow(self):
         while not self.sender.stuck:
@@ -279,8 +276,7 @@ class Tracker:
             except common.UsageError:
                 return  # the start was refused, which Tracker.start says
             except Exception as exc:
-                log.warning("MLflow: the sender failed (%s); the journal keeps the rest",
-                            common.first_line(exc))
+                log.warning("MLflow: the sender failed (%s); the journal keeps it", common.first_line(exc))
             with self.journal.appended:
                 self.journal.appended.wait(1)
 
@@ -294,9 +290,9 @@ class Tracker:
                 values = {}
                 for monitor in monitors:
                     monitor.collect_metrics()
-                    measured = monitor.aggregate_metrics()
-                    values.update({f"system/{self.node}/{key}": value for key, value in measured.items()})
+                    values.update(monitor.aggregate_metrics())
                     monitor.clear_metrics()
+                values = {f"system/{self.node}/{key}": value for key, value in values.items()}
                 self.log_metrics(values, step)
                 step += 1
             except Exception as exc:
@@ -323,7 +319,7 @@ def start(job, continues, splits, sources):
         if os.environ.get("GIT_COMMIT"):
             tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
         datasets = dataset_entities(splits, job.checksums, sources)
-        create_run = functools.partial(tracker.start, cfg, params, tags, datasets, continues)
+        create_run = functools.partial(tracker.start, params, tags, datasets, continues)
     collective.wait_for(create_run)
     if cfg.tracking == "on" and collective.world_size > job.local_workers:
         run_id = collective.broadcast_text(tracker.run_id or "")
@@ -354,8 +350,8 @@ def dataset_entities(splits, checksums, sources):
 
 
 def main(argv=None):
-    """`sync OUTPUT_DIR`: send the journal. Exit 0 all sent; 1 the server stayed away, or a line it did not
-    take waits (named); 2 refused, or bad input."""
+    """`sync OUTPUT_DIR`: exit 0 all sent; 1 the server stayed away, or a line it did not take waits; 2 bad
+    input."""
     parser = argparse.ArgumentParser(prog="python -m fmnist.tracking",
                                      description="Send a job's MLflow journal.")
     commands = parser.add_subparsers(dest="command", required=True)
