@@ -93,5 +93,5 @@ def to_model_input(images):
     return model_input
 
 
-def one_hot(labels, num_classes=len(CLASS_NAMES)):
-    return np.eye(num_classes, dtype=np.float32)[labels]
+def one_hot(labels):
+    return np.eye(len(CLASS_NAMES), dtype=np.float32)[labels]

@@ -112,7 +112,7 @@ def sample_grid(plt, split, seed, count=10):
     """Random images of a data.Split with their class names, in two rows."""
     fig, axes = plt.subplots(2, count // 2, figsize=(8, 3.8))
     shown = np.random.default_rng(seed).choice(len(split.images), count, replace=False)
-    for ax, index in zip(axes.flat, shown):
+    for ax, index in zip(axes.flat, shown, strict=True):
         ax.imshow(split.images[index], cmap="gray", vmin=0, vmax=255)
         ax.set_title(data.CLASS_NAMES[split.labels[index]], fontsize=9)
         ax.axis("off")
@@ -124,7 +124,7 @@ def curves(plt, loss_points, epoch_history):
     """The training loss (per log interval) and the validation loss and accuracy (per epoch)."""
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.4), layout="tight")
     epochs = [e["epoch"] for e in epoch_history]
-    loss_ax.plot(*zip(*loss_points), label="training (mean over ranks)", color="tab:blue", alpha=0.8)
+    loss_ax.plot(*zip(*loss_points, strict=True), label="training (rank mean)", color="tab:blue", alpha=0.8)
     loss_ax.plot(epochs, [e["val_loss"] for e in epoch_history], "o-", label="test set", color="tab:orange")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
     loss_ax.legend()

@@ -37,6 +37,12 @@ def test_run_sh_passes_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+def test_the_jobs_python_passes_ruff():
+    """ruff.toml's rules: lines of at most 110 characters and no function of more than 5 parameters among them."""
+    result = tool("ruff", "check", "--no-cache")
+    assert result.returncode == 0, result.stdout
+
+
 def test_dockerfile_passes_hadolint():
     result = tool("hadolint", "Dockerfile")
     assert result.returncode == 0, result.stdout
