@@ -312,13 +312,14 @@ SUBNET = "10.89.77"
 def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
     """Index 0 and 1 of the Indexed Job, on one network. In Kubernetes, index 0's name in MASTER_ADDR resolves
     through the Job's headless Service; here each pod's /etc/hosts names index 0's fixed address."""
-    job = next(doc for doc in rendered("k8s-multinode.yaml") if doc["kind"] == "Job")
-    master = next(e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
-                  if e["name"] == "MASTER_ADDR")
+    docs = rendered("overlays/multinode")
+    job, config = (next(doc for doc in docs if doc["kind"] == kind) for kind in ("Job", "ConfigMap"))
+    del config["data"]["MLFLOW_TRACKING_URI"]  # the cluster's server; tracking is tested in test_tracking.py
+    config["data"].update(SMALL_RUN)
     pods = [as_pod(f"{job['metadata']['name']}-{index}", job["spec"]["template"],
-                   {"JOB_COMPLETION_INDEX": str(index), "WORKERS": "1", "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
-                   [{"ip": f"{SUBNET}.10", "hostnames": [master]}]) for index in (0, 1)]
-    train_together(pods, tmp_path, volumes, workspace)
+                   {"JOB_COMPLETION_INDEX": str(index), "WORKERS": "1"},
+                   [{"ip": f"{SUBNET}.10", "hostnames": [config["data"]["MASTER_ADDR"]]}]) for index in (0, 1)]
+    train_together(pods, tmp_path, volumes, workspace, config)
     assert node_logs(workspace) == ["node0", "node1"]
 
 

@@ -28,7 +28,7 @@ CRDS = ROOT.parent / "shared" / "crds"
 CRD_FILES = {"AscendJob": "ascendjobs.mindxdl.gitee.com.yaml", "Job": "jobs.batch.volcano.sh.yaml",
              "ClusterTrainingRuntime": "clustertrainingruntimes.trainer.kubeflow.org.yaml",
              "TrainJob": "trainjobs.trainer.kubeflow.org.yaml"}
-MANIFESTS = ["k8s-ascendjob.yaml", "k8s-ascendjob-multinode.yaml", "overlays/ascendjob-310p",
+MANIFESTS = ["k8s-ascendjob.yaml", "overlays/ascendjob-multinode", "overlays/ascendjob-310p",
              "overlays/ascendjob-multinode-310p", "k8s-volcano.yaml", "k8s-trainer.yaml"]
 NPUS = ("huawei.com/Ascend910", "huawei.com/Ascend310P")
 
@@ -213,7 +213,7 @@ BROKEN = {  # manifest, how it is broken, what must be named
         lambda doc: doc["spec"]["replicaSpecs"]["Worker"]["template"]["spec"]["containers"][0].update(name="train"),
         "Worker: no container named ascend"),
     "ascendjob-two-schedulers": (
-        "k8s-ascendjob-multinode.yaml", lambda doc: doc["spec"]["replicaSpecs"]["Scheduler"].update(replicas=2),
+        "overlays/ascendjob-multinode", lambda doc: doc["spec"]["replicaSpecs"]["Scheduler"].update(replicas=2),
         "exactly one Scheduler replica"),
     "ascendjob-missing-gang-size": (
         "k8s-ascendjob.yaml", lambda doc: doc["spec"]["runPolicy"]["schedulingPolicy"].pop("minAvailable"),
