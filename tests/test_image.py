@@ -315,9 +315,10 @@ def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, t
     docs = rendered("overlays/multinode")
     job, config = (next(doc for doc in docs if doc["kind"] == kind) for kind in ("Job", "ConfigMap"))
     del config["data"]["MLFLOW_TRACKING_URI"]  # the cluster's server; tracking is tested in test_tracking.py
-    config["data"].update(SMALL_RUN)
+    # One worker a pod, set where the pods read it: podman's envFrom wins over a container's env.
+    config["data"].update(SMALL_RUN, WORKERS="1")
     pods = [as_pod(f"{job['metadata']['name']}-{index}", job["spec"]["template"],
-                   {"JOB_COMPLETION_INDEX": str(index), "WORKERS": "1"},
+                   {"JOB_COMPLETION_INDEX": str(index)},
                    [{"ip": f"{SUBNET}.10", "hostnames": [config["data"]["MASTER_ADDR"]]}]) for index in (0, 1)]
     train_together(pods, tmp_path, volumes, workspace, config)
     assert node_logs(workspace) == ["node0", "node1"]

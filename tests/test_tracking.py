@@ -437,3 +437,20 @@ def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data
         assert len(run.outputs.model_outputs) == 1
         assert run.data.params == {**tracked.data.params, "tracking": "offline", "output_dir": str(out)}
         assert synced_client.get_model_version(REGISTERED, "1").run_id == run.info.run_id
+
+
+def test_two_jobs_creating_one_local_store_at_once_both_end_with_complete_runs(tiny_data, tmp_path):
+    """Two trainings started together in one working directory, each with its own output dir and MLflow's
+    default ./mlflow.db, which neither finds: MLflow's migrations race, or the file is locked, and the sender
+    retries that like a dead server. Both runs are complete; nothing says "database is locked"."""
+    command = [sys.executable, str(ROOT / "main.py")]
+    jobs = [subprocess.Popen([*command, *tiny_args(tiny_data, tmp_path / f"out{i}")], cwd=tmp_path, env=job_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    for job, output in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0, output[-3000:]
+        assert "database is locked" not in output and "not logged" not in output and "did not take" not in output
+    url = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    runs = {assert_complete(url, tmp_path / f"out{i}", epochs=1, steps_per_epoch=16, interval=2)[1].info.run_id
+            for i in (0, 1)}
+    assert len(runs) == 2
