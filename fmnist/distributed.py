@@ -55,10 +55,9 @@ def cap_onednn_isa(environ=os.environ, machine=None):
 
 def cpu_description(cpuinfo="/proc/cpuinfo"):
     """The CPU model and the ISA flags that decide oneDNN's kernels, so figures from two hosts compare."""
-    first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
-    pairs = (line.partition(":") for line in first_cpu.splitlines())
+    pairs = (line.partition(":") for line in Path(cpuinfo).read_text().split("\n\n")[0].splitlines())
     fields = {key.strip(): value.strip() for key, _, value in pairs}
-    flags = set(fields.get("flags", "").split())
+    flags = fields.get("flags", "").split()
     return {"model": fields.get("model name", platform.machine()),
             "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
 
@@ -126,8 +125,7 @@ class Collective:
 
     def wait_for(self, work=None):
         """`work`'s result, while every rank polls with small gathers till all are done (MindSpore's CPU
-        collective fails a receive that waits over MS_NODE_TIMEOUT). Its error on its rank, UsageError
-        elsewhere."""
+        collective fails a receive after MS_NODE_TIMEOUT); its error on its rank, UsageError on others."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(work) if work else None
             while True:
@@ -160,7 +158,7 @@ class Evaluation(Metric):
         self.clear()
 
     def clear(self):
-        self._loss, self._confusion = 0.0, np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
+        self._loss, self._confusion = 0.0, np.zeros((self._num_classes,) * 2, dtype=np.int64)
 
     def update(self, *inputs):  # logits and one-hot labels, as Model.eval passes them
         logits, labels = inputs[0].asnumpy().astype(np.float64), inputs[1].asnumpy()
@@ -169,7 +167,7 @@ class Evaluation(Metric):
 
     def eval(self):
         # float64 holds the counts exactly: one gather carries the loss and the matrix.
-        rows = self._collective.all_gather(np.append(self._loss, self._confusion.ravel()).astype(np.float64))
+        rows = self._collective.all_gather(np.append(self._loss, self._confusion).astype(np.float64))
         total = rows.sum(axis=0)
         confusion = total[1:].reshape(self._confusion.shape).astype(np.int64)
         count = max(int(confusion.sum()), 1)
@@ -194,8 +192,7 @@ class Terminated(Exception):
 
 class StopRequest:
     """SIGTERM and SIGINT from training on, recorded for the ranks to agree on at a log interval (one rank
-    stopping alone would hang the others in a collective), moot as the job ends. Before, they end the process:
-    writes are atomic."""
+    stopping alone would hang the others in a collective). Before, they end the process: writes are atomic."""
 
     signum = 0
 

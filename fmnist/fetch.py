@@ -77,10 +77,8 @@ def local_copy(directory, name):
 
 def receive(url, response, sources):
     """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
-    timeout, deadline = sources.timeout, sources.deadline
-    total = int(response.headers.get("Content-Length") or 0)
-    body, started = bytearray(), time.monotonic()
-    shown = started
+    total, body = int(response.headers.get("Content-Length") or 0), bytearray()
+    started = shown = time.monotonic()
     # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
     while chunk := response.read1(1 << 20):
         body += chunk
@@ -88,10 +86,10 @@ def receive(url, response, sources):
         elapsed, rate = now - started, size / max(now - started, 1e-9)
         if size > DOWNLOAD_MAX_BYTES:
             raise ValueError(f"{url}: more than the {DOWNLOAD_MAX_BYTES}-byte cap")
-        if elapsed > deadline:
+        if elapsed > sources.deadline:
             raise ValueError(f"{url}: not complete after {elapsed:.0f} s ({size} bytes), over "
-                             f"--download-deadline {deadline:g}")
-        if elapsed > timeout and rate < DOWNLOAD_MIN_BYTES_PER_S:
+                             f"--download-deadline {sources.deadline:g}")
+        if elapsed > sources.timeout and rate < DOWNLOAD_MIN_BYTES_PER_S:
             raise ValueError(f"{url}: {rate:,.0f} bytes/s after {elapsed:.0f} s, under the minimum of "
                              f"{DOWNLOAD_MIN_BYTES_PER_S:,} bytes/s")
         if now - shown >= PROGRESS_S:

@@ -34,8 +34,7 @@ def report(training, splits):
     precision = mixed_precision(training.model.train_network, training.net, splits.test.images[:8])
     resumed_at = checkpoints.Position.after(training.resumed_steps, training.steps_per_epoch)
     summary = {
-        "device": job.device, "world_size": job.collective.world_size, "amp_level": job.amp_level,
-        "loss_scaling": job.loss_scaling, **precision, "cpu": job.cpu,
+        **job.resolved, **precision, "cpu": job.cpu,
         "epochs": len(history), "global_batch_size": training.global_batch,
         "test_accuracy": history[-1]["val_accuracy"], "test_loss": history[-1]["val_loss"],
         "test_samples": int(confusion.sum()),

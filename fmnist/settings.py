@@ -3,6 +3,7 @@ and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning. `py
 WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2 in one line."""
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,10 +25,9 @@ LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_
 
 def is_positive_number(text):
     """As float() reads it: 1024, 0.5 and 1e3 are; 0, inf, nan and ² are not."""
-    try:
+    with contextlib.suppress(ValueError):
         return 0 < float(text) < math.inf
-    except ValueError:
-        return False
+    return False
 
 
 def setting(default, help, choices=(), check=None, course=False):  # noqa: A002 (argparse's word)
@@ -57,8 +57,7 @@ class Config:
     data_mirrors: str = setting(OFFICIAL_MIRROR, "base URLs to download from, comma-separated, after local "
                                 "copies; empty: never download")
     checksums_file: str = setting("", "sha256sum-style file for the four IDX files (another IDX dataset)")
-    download_timeout: float = setting(30.0, "seconds without progress before a download is abandoned",
-                                      check=POSITIVE)
+    download_timeout: float = setting(30.0, "seconds without progress that end a download", check=POSITIVE)
     download_deadline: float = setting(600.0, "seconds one file's download may take in all", check=POSITIVE)
     output_dir: Path = setting(Path("outputs"), "where summary.json, PNGs and checkpoints go")
     resume: str = setting("auto", "auto: continue from the newest good checkpoint; never: start fresh",
@@ -71,14 +70,12 @@ class Config:
     run_name: str = setting("", "MLflow run name (default: MLflow picks one)")
     tracking: str = setting("on", "on: the MLflow journal, sent as the job goes; offline: the journal only, "
                             "for `python -m fmnist.tracking sync`; off: none", choices=TRACKING)
-    tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow server",
-                                 check=POSITIVE)
+    tracking_wait: int = setting(60, "seconds a finishing job gives an unreachable MLflow", check=POSITIVE)
     register_model: str = setting("", "register the model under this name in MLflow's Model Registry")
     divergence_check: str = setting("on", "on: exit 3 when the training loss explodes, or past 200 steps "
                                     "the network is no better than chance; off: only a non-finite loss stops",
                                     choices=("on", "off"))
-    log_interval: int = setting(100, "steps between progress lines; an epoch's end closes one too",
-                                check=POSITIVE)
+    log_interval: int = setting(100, "steps between progress lines (and an epoch's end)", check=POSITIVE)
     threads: int = setting(0, "CPU threads per worker; 0: one per core of its share (--cpu-bind)",
                            check=NON_NEGATIVE)
     cpu_bind: str = setting("on", "on: each CPU worker bound to its share of this machine's cores "

@@ -65,8 +65,7 @@ class Journal:
             os.truncate(self.path, self.size_before)
 
     def read_from(self, offset):
-        """[(offset after the line, its object)] of the whole lines after `offset`: the rest is being
-        written."""
+        """(offset after it, object) for each whole line after `offset`: a part line is being written."""
         lines = []
         if self.path.exists():
             with open(self.path, "rb") as journal:
@@ -92,8 +91,7 @@ def batch(pending):
 
 class Sender:
     """Sends a journal in order from the recorded position, which moves (with the run's id) only past what
-    MLflow took. A transient failure is retried; a refused start is bad input; after any other, the line
-    waits."""
+    MLflow took. A transient failure is retried; a refused start is bad input; after any other, it waits."""
 
     def __init__(self, output_dir):
         import mlflow
@@ -109,8 +107,7 @@ class Sender:
         return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
-        """Send what waits: True if nothing is left, False if stopping() or `stuck` (naming the line) ends
-        it."""
+        """Send what waits: True if nothing is left, False if stopping() or a line MLflow refused ends it."""
         pending = self.unsent()
         while pending and not self.stuck:
             op, count = batch(pending)
@@ -138,8 +135,8 @@ class Sender:
                 log.info("MLflow: %s answers again; sending what waited", self.uri)
                 self.failures = 0
             self.offset, pending = pending[count - 1][0], pending[count:]
-            state = json.dumps({"offset": self.offset, "run_id": self.run_id}).encode()
-            common.write_atomic(self.position, state, sync=False)
+            state = {"offset": self.offset, "run_id": self.run_id}
+            common.write_atomic(self.position, json.dumps(state).encode(), sync=False)
         return not pending
 
     def send(self, op):
@@ -350,8 +347,7 @@ def dataset_entities(splits, checksums, sources):
 
 
 def main(argv=None):
-    """`sync OUTPUT_DIR`: exit 0 all sent; 1 the server stayed away, or a line it did not take waits; 2 bad
-    input."""
+    """`sync OUTPUT_DIR`: exit 0 all sent; 1 the server stayed away or did not take a line; 2 bad input."""
     parser = argparse.ArgumentParser(prog="python -m fmnist.tracking",
                                      description="Send a job's MLflow journal.")
     commands = parser.add_subparsers(dest="command", required=True)
