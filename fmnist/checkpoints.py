@@ -62,7 +62,7 @@ class State:
 class Resumed:
     path: Path
     state: State
-    restarts: int  # before this one
+    restarts: int  # the restarts before this one
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -94,7 +94,7 @@ def resume_conflicts(meta, current):
     for name in sorted(set(saved) | set(current)):
         if (was := saved.get(name)) == (now := current.get(name)):
             continue
-        if name == "parameter_shapes":  # which, not the whole table
+        if name == "parameter_shapes":  # which parameters differ, not the whole table
             was, now = was or {}, now or {}
             differing = sorted(key for key in set(was) | set(now) if was.get(key) != now.get(key))
             was, now = "another model or optimizer", f"this one (differing: {', '.join(differing[:3])})"

@@ -52,7 +52,7 @@ class Journal:
         self.size_before = None  # this process's first line's offset, for a rollback
 
     def append(self, op, **fields):
-        line = json.dumps({"op": op, **fields}) + "\n"  # refuses what it could not read back
+        line = json.dumps({"op": op, **fields}) + "\n"
         with self.appended, common.catch_full_disk(self.path):
             if self.size_before is None:
                 self.size_before = self.path.stat().st_size if self.path.exists() else 0
@@ -60,7 +60,8 @@ class Journal:
                 out.write(line)
             self.appended.notify_all()
 
-    def rollback(self):  # what this process appended
+    def rollback(self):
+        """Remove what this process appended."""
         if self.size_before is not None:
             os.truncate(self.path, self.size_before)
 
@@ -96,7 +97,8 @@ class Sender:
     def __init__(self, output_dir):
         import mlflow
         os.environ.update({name: value for name, value in MLFLOW_DEFAULTS.items() if name not in os.environ})
-        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # the sender's line says it
+        # The sender's own warning says what urllib3 would say of every retry.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         self.journal, self.position = Path(output_dir) / JOURNAL, Path(output_dir) / POSITION
         state = json.loads(self.position.read_text()) if self.position.exists() else {}
         self.offset, self.run_id = state.get("offset", 0), state.get("run_id")
@@ -149,7 +151,7 @@ class Sender:
         elif op["op"] == "end":
             self.client.set_terminated(self.run_id, op["status"])
         else:
-            getattr(self, op["op"])(op)  # start, log_model
+            getattr(self, op["op"])(op)  # the methods start and log_model below
 
     def start(self, op):
         """Continue the training's run when it resumed and the store has it; else create one."""
@@ -176,7 +178,7 @@ class Sender:
             DatasetInput(Dataset(**fields), [InputTag("mlflow.data.context", context)])
             for context, fields in op["datasets"]])
         page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}?workflowType="
-                "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)  # the UI's
+                "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
 
     def log_model(self, op):
@@ -184,7 +186,8 @@ class Sender:
         request to the declared type, and uint8 would wrap 300 to 44 unseen."""
         import pandas as pd
         example = np.asarray(op["example"], dtype=np.float64)
-        with warnings.catch_warnings(action="ignore", category=UserWarning):  # int columns and NaN
+        # MLflow warns that integer columns cannot hold NaN: these never do.
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
             signature = self.mlflow.models.infer_signature(example, pd.DataFrame(op["predictions"]))
         with self.mlflow.start_run(run_id=self.run_id, log_system_metrics=False):
             version = self.mlflow.pyfunc.log_model(
@@ -339,7 +342,8 @@ def dataset_entities(splits, checksums, sources):
     for context, split, part in (("training", "train", splits.train), ("evaluation", "test", splits.test)):
         names = data.FILES[split]
         digest = hashlib.sha256("".join(checksums[name] for name in names).encode()).hexdigest()[:32]
-        with warnings.catch_warnings(action="ignore", category=UserWarning):  # a path's two kinds of source
+        # MLflow warns that a path source reads two ways, then takes the local one, which it is.
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
             dataset = mlflow.data.from_numpy(part.images, targets=part.labels, digest=digest,
                                              source=sources.get(names[0], ""), name=f"{data.NAME}-{split}")
         entities.append((context, dataset._to_mlflow_entity().to_dictionary()))
