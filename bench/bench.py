@@ -31,7 +31,7 @@ import psutil  # installed with mlflow
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from fmnist import common, fetch  # noqa: E402 (the job's package and the tests' servers, from this checkout)
+from fmnist import common, fetch, tracking  # noqa: E402 (the job's package and the tests' servers, from this checkout)
 from servers import mlflow_server  # noqa: E402
 
 import serving  # noqa: E402 (beside this file)
@@ -57,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--pairs", type=int, default=1,
                         help="untracked runs of the job, each followed by one of the peer; the ratio is taken "
                              "pair by pair, so a drifting machine moves both alike (default: 1)")
+    parser.add_argument("--sync-lines", type=int, default=10_000,
+                        help="metric lines in a journal that `python -m fmnist.tracking sync` sends to the server "
+                             "(default: 10000; 0 skips)")
     parser.add_argument("--serving-requests", type=int, default=300,
                         help="requests per serving cell (batch 1 and 64, 1 and 16 clients); 0 skips serving "
                              "(default: 300)")
@@ -137,6 +140,23 @@ def run_peer(name, workdir, args):
             "launch_to_first_step_s": peer["first_step_at"] - launched, **peer}
 
 
+def sync_s(workdir, url, lines):
+    """Seconds that `python -m fmnist.tracking sync` takes to send a journal of a run's start, `lines` metric
+    lines of two values (as the job writes them every log interval) and its end: the catch-up after an outage."""
+    out = workdir / "sync"
+    out.mkdir()
+    journal = tracking.Journal(out / tracking.JOURNAL)
+    journal.append("start", experiment="bench-sync", run_name="", params={}, datasets=[], tags={}, continues=False)
+    for step in range(lines):
+        journal.append("metrics", step=step, timestamp=int(time.time() * 1000),
+                       values={"train_loss": 1 / (step + 1), "train_samples_per_s": 1000.0})
+    journal.append("end", status="FINISHED")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(out)], cwd=ROOT, check=True,
+                   env={**os.environ, "MLFLOW_TRACKING_URI": url}, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
 def children_cpu_s():
     """User and system CPU time of every finished descendant: run.sh, msrun, its scheduler and workers."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -184,6 +204,7 @@ def main(argv=None):
                               {"MLFLOW_TRACKING_URI": url, "TRACKING": "on"})
             # The server shares this machine's cores with the job; a real deployment runs it elsewhere.
             tracked["server_cpu_s"] = cpu_seconds(server.pid) - server_cpu
+            synced = sync_s(workdir, url, args.sync_lines) if args.sync_lines else None
             served = []
             if args.serving_requests:
                 print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell", flush=True)
@@ -209,11 +230,13 @@ def main(argv=None):
     ratios = sorted(peer["train_samples_per_s"] / ours["train_samples_per_s"] for ours, peer in pairs)
     print(f"\nPyTorch DDP / this job, train samples/s: {' '.join(f'{r:.2f}' for r in ratios)} "
           f"(median {ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per worker)")
+    if synced is not None:
+        print(f"\nsync: {args.sync_lines:,} metric lines of a journal sent in {synced:.1f} s")
     if served:
         print(f"\nthe served model (mlflow models serve, {args.serving_requests} requests per row):")
         print(aligned(serving.rows(served)))
     results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served,
-               "torch_over_ours": ratios}
+               "torch_over_ours": ratios, "sync_s": synced, "sync_lines": args.sync_lines}
     if args.scaling:
         results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "
