@@ -22,9 +22,8 @@ import pytest
 import yaml
 
 from fmnist import common
-from conftest import ROOT, job_env, rendered
+from conftest import CRDS, ROOT, job_env, rendered
 
-CRDS = ROOT.parent / "shared" / "crds"
 CRD_FILES = {"AscendJob": "ascendjobs.mindxdl.gitee.com.yaml", "Job": "jobs.batch.volcano.sh.yaml",
              "ClusterTrainingRuntime": "clustertrainingruntimes.trainer.kubeflow.org.yaml",
              "TrainJob": "trainjobs.trainer.kubeflow.org.yaml"}
