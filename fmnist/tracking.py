@@ -35,12 +35,14 @@ SERVING_MODULE = "fmnist.serving"  # by name: importing it would load MindSpore 
 
 
 def transient(exc):
-    """Worth retrying: unreachable, timed out, 429 or 5xx, or a local store another process holds or makes."""
+    """Worth retrying: unreachable, timed out, 429 or 5xx, or a local store another process holds or is making
+    (SQLite's lock, or a race in MLflow's migrations: SQLAlchemy's and Alembic's errors)."""
+    from alembic.util.exc import CommandError
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import OperationalError
     if isinstance(exc, MlflowException):
         return exc.get_http_status_code() in (429, *range(500, 600))
-    return (isinstance(exc, (ConnectionError, TimeoutError, OperationalError))
+    return (isinstance(exc, (ConnectionError, TimeoutError, OperationalError, CommandError))
             or type(exc).__module__.startswith("requests"))
 
 
@@ -168,9 +170,7 @@ class Sender:
                 log.warning("MLflow: the training's run %s is not at %s (another tracking store); continuing "
                             "in a new run there, tagged resumed_from_run", self.run_id, self.uri)
                 tags = {**tags, "resumed_from_run": self.run_id}
-        experiment = self.client.get_experiment_by_name(op["experiment"])
-        experiment_id = (experiment.experiment_id if experiment
-                         else self.client.create_experiment(op["experiment"], tags=EXPERIMENT_TAGS))
+        experiment_id = self.experiment_id(op["experiment"])
         run = self.client.create_run(experiment_id, tags=tags, run_name=op["run_name"] or None)
         self.run_id = run.info.run_id
         self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in op["params"].items()])
@@ -180,6 +180,17 @@ class Sender:
         page = (f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}?workflowType="
                 "machine_learning" if self.uri.startswith(("http://", "https://")) else self.uri)
         log.info("MLflow: run %s in experiment '%s' at %s", self.run_id, op["experiment"], page)
+
+    def experiment_id(self, name):
+        """The experiment's id, made if it is new: another job making it at the same moment is no error."""
+        if experiment := self.client.get_experiment_by_name(name):
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name, tags=EXPERIMENT_TAGS)
+        except self.mlflow.exceptions.MlflowException:
+            if experiment := self.client.get_experiment_by_name(name):
+                return experiment.experiment_id
+            raise
 
     def log_model(self, op):
         """The MindIR as the run's pyfunc model, registered when asked. Its input is float64: MLflow casts a

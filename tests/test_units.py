@@ -447,3 +447,39 @@ def test_metric_lines_in_a_row_are_one_request_of_at_most_1000_points():
     assert tracking.batch(lines[5:]) == (lines[5][1], 1)
     huge = [(1, {"op": "metrics", "step": 0, "timestamp": 0, "values": {f"m{k}": 1.0 for k in range(1500)}})]
     assert tracking.batch(huge)[1] == 1
+
+
+def test_a_local_store_being_made_or_locked_is_retried_like_a_dead_server():
+    """SQLite's lock and a race in MLflow's migrations (two jobs making one mlflow.db) wait like an outage."""
+    from alembic.util.exc import CommandError  # pylint: disable=import-outside-toplevel
+    from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE  # pylint: disable=C0415
+    from sqlalchemy.exc import OperationalError  # pylint: disable=import-outside-toplevel
+    assert tracking.transient(OperationalError("INSERT", {}, Exception("database is locked")))
+    assert tracking.transient(CommandError("Online migration expected to match one row; 0 found"))
+    assert tracking.transient(ConnectionError()) and tracking.transient(TimeoutError())
+    assert tracking.transient(MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE))  # 503
+    assert not tracking.transient(MlflowException("no", error_code=PERMISSION_DENIED))  # 403
+    assert not tracking.transient(RuntimeError("a bug"))
+
+
+def test_an_experiment_another_job_makes_at_the_same_moment_is_used(tmp_path):
+    """Two jobs starting a new experiment at once: the one whose creation fails takes the other's."""
+    from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
+    made = []
+
+    class Client:
+        def get_experiment_by_name(self, name):
+            return types.SimpleNamespace(experiment_id="7") if made else None
+
+        def create_experiment(self, name, tags):
+            made.append(name)  # the other job's, a moment earlier
+            raise MlflowException("UNIQUE constraint failed: experiments.name")
+
+    sender = tracking.Sender(tmp_path)
+    sender.client = Client()
+    assert sender.experiment_id("new") == "7"
+    made.clear()
+    Client.create_experiment = lambda self, name, tags: (_ for _ in ()).throw(MlflowException("refused"))
+    with pytest.raises(MlflowException, match="refused"):
+        sender.experiment_id("forbidden")
