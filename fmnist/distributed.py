@@ -55,9 +55,10 @@ def cap_onednn_isa(environ=os.environ, machine=None):
 
 def cpu_description(cpuinfo="/proc/cpuinfo"):
     """The CPU model and the ISA flags that decide oneDNN's kernels, so figures from two hosts compare."""
-    pairs = (line.partition(":") for line in Path(cpuinfo).read_text().split("\n\n")[0].splitlines())
+    first_cpu = Path(cpuinfo).read_text().split("\n\n")[0]
+    pairs = (line.partition(":") for line in first_cpu.splitlines())
     fields = {key.strip(): value.strip() for key, _, value in pairs}
-    flags = fields.get("flags", "").split()
+    flags = set(fields.get("flags", "").split())
     return {"model": fields.get("model name", platform.machine()),
             "flags": [flag for flag in CPU_FLAGS_OF_INTEREST if flag in flags]}
 
@@ -158,7 +159,7 @@ class Evaluation(Metric):
         self.clear()
 
     def clear(self):
-        self._loss, self._confusion = 0.0, np.zeros((self._num_classes,) * 2, dtype=np.int64)
+        self._loss, self._confusion = 0.0, np.zeros((self._num_classes, self._num_classes), dtype=np.int64)
 
     def update(self, *inputs):  # logits and one-hot labels, as Model.eval passes them
         logits, labels = inputs[0].asnumpy().astype(np.float64), inputs[1].asnumpy()

@@ -77,7 +77,8 @@ def local_copy(directory, name):
 
 def receive(url, response, sources):
     """The body of `response` within the size cap, the minimum rate and the deadline, saying its progress."""
-    total, body = int(response.headers.get("Content-Length") or 0), bytearray()
+    total = int(response.headers.get("Content-Length") or 0)
+    body = bytearray()
     started = shown = time.monotonic()
     # read1 returns what one read brings, so the pace is checked however slowly bytes arrive.
     while chunk := response.read1(1 << 20):

@@ -3,7 +3,6 @@ and a variable (--batch-size, BATCH_SIZE, cfg.batch_size), the flag winning. `py
 WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2 in one line."""
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
@@ -25,9 +24,10 @@ LOSS_SCALE = (lambda value: value in ("auto", "none", "dynamic") or is_positive_
 
 def is_positive_number(text):
     """As float() reads it: 1024, 0.5 and 1e3 are; 0, inf, nan and ² are not."""
-    with contextlib.suppress(ValueError):
+    try:
         return 0 < float(text) < math.inf
-    return False
+    except ValueError:
+        return False
 
 
 def setting(default, help, choices=(), check=None, course=False):  # noqa: A002 (argparse's word)

@@ -111,7 +111,7 @@ class Sender:
         return Journal(self.journal).read_from(self.offset)
 
     def send_unsent(self, stopping=lambda: False):
-        """Send what waits: True if nothing is left, False if stopping() or a line MLflow refused ends it."""
+        """Send what waits: True if all is sent; False if stopping() or a line MLflow did not take ends it."""
         pending = self.unsent()
         while pending and not self.stuck:
             op, count = batch(pending)

@@ -480,6 +480,10 @@ def test_an_experiment_another_job_makes_at_the_same_moment_is_used(tmp_path):
     sender.client = Client()
     assert sender.experiment_id("new") == "7"
     made.clear()
-    Client.create_experiment = lambda self, name, tags: (_ for _ in ()).throw(MlflowException("refused"))
+
+    def refuse(self, name, tags):
+        raise MlflowException("refused")  # and nobody else made it
+
+    Client.create_experiment = refuse
     with pytest.raises(MlflowException, match="refused"):
         sender.experiment_id("forbidden")
