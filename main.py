@@ -99,18 +99,24 @@ def model_input(split):
 
 
 class Shard:
-    """This rank's share of the training set, epoch after epoch in whole batches, as GeneratorDataset reads
-    it. Rank r takes the r-th block of the permutation of (seed, epoch): shards are disjoint, and a job
-    resumed `skip` steps into an epoch trains what an unbroken one would."""
+    """This rank's share of the training set, epoch after epoch, as GeneratorDataset reads it. The order is
+    global: step k of an epoch trains the k-th `global_batch` samples of the permutation of (seed, epoch),
+    and rank r takes the r-th of its world_size slices. So any world size that divides the global batch trains
+    the same samples at each step, and a job resumed `skip` steps into an epoch trains what an unbroken one
+    would (docs/data-order.md)."""
 
-    def __init__(self, inputs, batch_size, rank, world_size, seed):
-        self.images, self.labels = inputs.images, inputs.labels
-        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+    def __init__(self, inputs, global_batch, collective, seed):
+        self.images, self.labels, self.seed = inputs.images, inputs.labels, seed
+        self.global_batch, self.rank, self.world_size = global_batch, collective.rank, collective.world_size
         self.epoch = self.skip = 0
 
     @property
+    def batch_size(self):
+        return self.global_batch // self.world_size
+
+    @property
     def steps_per_epoch(self):
-        return len(self.images) // (self.batch_size * self.world_size)
+        return len(self.images) // self.global_batch
 
     def __len__(self):
         return self.steps_per_epoch - self.skip
@@ -118,10 +124,9 @@ class Shard:
     def __iter__(self):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.images))
         self.epoch += 1
-        per_rank = self.steps_per_epoch * self.batch_size
-        mine = order[self.rank * per_rank:(self.rank + 1) * per_rank]
-        for start in range(self.skip * self.batch_size, per_rank, self.batch_size):
-            batch = mine[start:start + self.batch_size]
+        for step in range(self.skip, self.steps_per_epoch):
+            start = step * self.global_batch + self.rank * self.batch_size
+            batch = order[start:start + self.batch_size]
             yield self.images[batch], self.labels[batch]
 
     def dataset(self, epoch, skip=0):
@@ -205,13 +210,13 @@ class Training(Callback):
         super().__init__()
         self.job, self.cfg, self.collective, self.startup = job, job.cfg, job.collective, startup
         self.net, self.model = build_model(job, distributed.Evaluation(job.collective, len(data.CLASS_NAMES)))
-        self.shard = Shard(model_input(splits.train), job.cfg.batch_size, job.collective.rank,
-                           job.collective.world_size, job.cfg.seed)
+        self.shard = Shard(model_input(splits.train), job.cfg.batch_size * job.collective.world_size,
+                           job.collective, job.cfg.seed)
         self.eval_set = eval_dataset(splits.test, job.cfg.batch_size, job.collective)
-        self.steps_per_epoch = self.shard.steps_per_epoch
-        self.global_batch = job.cfg.batch_size * job.collective.world_size
         self.tracker, self.checkpoints, self.resumed = tracking.NullTracker(), None, None
         self.steps = self.resumed_steps = 0  # the clock
+        # The stretches of the training between its starts, this one last: their world sizes may differ.
+        self.parts = []
         # Each epoch's figures and the loss curve's (epoch as a fraction, loss) points, with a resume's.
         self.history, self.loss_points = [], []
         # The latest validation's confusion matrix; the steps dynamic loss scaling skipped for overflows.
@@ -223,8 +228,16 @@ class Training(Callback):
         self.chance_loss, self.chance = math.log(len(data.CLASS_NAMES)), 1 / len(data.CLASS_NAMES)
 
     @property
+    def global_batch(self):
+        return self.shard.global_batch
+
+    @property
+    def steps_per_epoch(self):
+        return self.shard.steps_per_epoch
+
+    @property
     def state(self):
-        return checkpoints.State(self.steps, self.history, self.loss_points)
+        return checkpoints.State(self.steps, self.history, self.loss_points, self.parts)
 
     @property
     def position(self):
@@ -234,16 +247,26 @@ class Training(Callback):
         """The newest good checkpoint of this training loaded, or none, as every rank agrees."""
         directory, network = self.cfg.output_dir / "checkpoints", self.model.train_network
         resolved = {**self.job.resolved, "data_sha256": self.job.checksums}
-        course = checkpoints.course(self.cfg, resolved, network)
+        course = checkpoints.course(self.cfg, resolved, network, self.global_batch)
+        world_size = self.collective.world_size
         if self.cfg.resume == "auto":
-            self.resumed = checkpoints.load_latest(directory, network, course, self.steps_per_epoch)
+            self.resumed = checkpoints.load_latest(directory, network, course, world_size)
         checkpoints.agree_on_resume(self.collective, self.resumed, directory)
         if self.resumed:
-            self.steps = self.resumed_steps = self.resumed.state.steps
-            self.history, self.loss_points = list(self.resumed.state.history), self.resumed.state.loss_points
+            state, was = self.resumed.state, self.resumed.state.parts[-1]
+            self.steps = self.resumed_steps = state.steps
+            self.history, self.loss_points, self.parts = list(state.history), state.loss_points, state.parts
             steps = f" and {self.position.step} steps" if self.position.step else ""
             log.info("resuming from %s: %d of %d epochs%s done", self.resumed.path, self.position.epoch,
                      self.cfg.epochs, steps)
+            if was.world_size != world_size:
+                self.shard.global_batch = course["global_batch"] = self.resumed.global_batch
+                self.cfg = dataclasses.replace(self.cfg, batch_size=self.shard.batch_size)
+                self.job = dataclasses.replace(self.job, cfg=self.cfg)
+                log.info("resuming a %d-worker training on %d worker%s: %d -> %d per device, global batch %d "
+                         "kept", was.world_size, world_size, "s" if world_size > 1 else "", was.batch_size,
+                         self.shard.batch_size, self.global_batch)
+        self.parts = [*self.parts, checkpoints.Part(self.steps, world_size, self.shard.batch_size)]
         if self.collective.is_main:
             self.checkpoints = checkpoints.Checkpoints(self.cfg, course, self.resumed, self.steps_per_epoch)
 
@@ -294,8 +317,10 @@ class Training(Callback):
         if self.collective.is_main:
             phases = ", ".join(f"{name.replace('_', ' ')} {s:.1f}" for name, s in self.startup.phases.items())
             log.info("first step done %.1f s after start (%s)", self.first_step_s, phases)
+            part = {"world_size": self.collective.world_size, "batch_size_per_device": self.shard.batch_size}
             if self.checkpoints.restarts:
-                self.tracker.log_metrics(self.checkpoints.restart_cost(), step=self.steps)
+                part.update(self.checkpoints.restart_cost())
+            self.tracker.log_metrics(part, step=self.steps)
 
     def _log_interval(self):
         # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
@@ -431,7 +456,7 @@ def main(argv=None) -> int:
         startup.lap("checkpoint")
         training.compile()
         startup.lap("compile")
-        training.tracker = tracking.start(job, training.resumed is not None, splits, sources)
+        training.tracker = tracking.start(training.job, training.resumed is not None, splits, sources)
         gc.freeze()  # MLflow's imports too
         startup.lap("tracking")
     except (common.UsageError, common.DiskFull) as exc:

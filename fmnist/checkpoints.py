@@ -14,7 +14,9 @@ import mindspore as ms
 from . import common, settings
 from .common import log
 
-CHECKPOINT_FORMAT = 4  # 4 named the course; 3 added the step in the epoch and the restarts; 2 the settings
+# 5 kept the global batch and each part's world size, not the world size; 4 named the course; 3 added the step
+# in the epoch and the restarts; 2 the settings.
+CHECKPOINT_FORMAT = 5
 NAME = re.compile(r"epoch-(\d{4,})(?:-step-(\d{6,}))?\.ckpt")
 RECORD = "last-step"  # rank 0's newest step and its time, which a restart's cost is measured from
 
@@ -30,9 +32,6 @@ class Position:
     @classmethod
     def after(cls, steps, steps_per_epoch):
         return cls(*divmod(steps, steps_per_epoch))
-
-    def steps(self, steps_per_epoch):
-        return self.epoch * steps_per_epoch + self.step
 
     @property
     def file_name(self):
@@ -50,12 +49,23 @@ class Position:
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """A stretch of the training between two starts: its first global step, and the workers training it."""
+
+    first_step: int
+    world_size: int
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class State:
-    """What a checkpoint keeps beside the weights: the steps done, each epoch's figures, the loss curve."""
+    """What a checkpoint keeps beside the weights: the steps done, each epoch's figures, the loss curve, the
+    parts."""
 
     steps: int = 0
     history: list = dataclasses.field(default_factory=list)
     loss_points: list = dataclasses.field(default_factory=list)
+    parts: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,7 @@ class Resumed:
     path: Path
     state: State
     restarts: int  # the restarts before this one
+    global_batch: int
 
 
 def save_checkpoint(cell, path, extra=None):
@@ -77,20 +88,25 @@ def newest_first(directory):
     return sorted((path for path, position in found.items() if position), key=found.get, reverse=True)
 
 
-def course(cfg, resolved, train_network):
-    """What a resume must keep: the settings that shape the training, what they resolved to, the shapes."""
+def course(cfg, resolved, train_network, global_batch):
+    """What a resume must keep: the settings that shape the training, what they resolved to, the shapes, and
+    the global batch. Not the world size: each step trains the same samples on any (docs/data-order.md)."""
     kept = {name: value for name, value in dataclasses.asdict(cfg).items() if name in settings.COURSE}
+    kept.update({name: value for name, value in resolved.items() if name != "world_size"})
     shapes = {p.name: list(p.shape) for p in train_network.get_parameters()}
-    return {**kept, **resolved, "parameter_shapes": shapes}
+    return {**kept, "global_batch": global_batch, "parameter_shapes": shapes}
 
 
-def resume_conflicts(meta, current):
+def resume_conflicts(meta, current, world_size):
     """'name: was X, now Y' for each way a checkpoint's training differs from this job's."""
     if meta.get("format") != CHECKPOINT_FORMAT:
         writer = meta.get("job_version", "1.0.0")
         return [f"checkpoint format: was {meta.get('format', 1)} (written by job {writer}), "
                 f"now {CHECKPOINT_FORMAT} (job {common.JOB_VERSION})"]
     saved, conflicts = meta["course"], []
+    # On another world size the training keeps its global batch, and each device takes its share of it.
+    if meta["parts"][-1]["world_size"] != world_size:
+        current = {**current, "global_batch": saved["global_batch"]}
     for name in sorted(set(saved) | set(current)):
         if (was := saved.get(name)) == (now := current.get(name)):
             continue
@@ -102,9 +118,10 @@ def resume_conflicts(meta, current):
     return conflicts
 
 
-def load_latest(directory, train_network, current, steps_per_epoch):
+def load_latest(directory, train_network, current, world_size):
     """Resumed from the newest checkpoint that loads whole (a corrupt one is skipped with a warning), or None.
-    Another training's is a UsageError naming every difference: no run would describe its model."""
+    Another training's is a UsageError naming every difference: no run would describe its model. So is a
+    world size that does not divide the training's global batch."""
     for path in newest_first(directory):
         try:
             params = ms.load_checkpoint(str(path), crc_check=True)
@@ -112,14 +129,20 @@ def load_latest(directory, train_network, current, steps_per_epoch):
         except Exception as exc:
             log.warning("skipping checkpoint %s: %s", path, common.first_line(exc))
             continue
-        if conflicts := resume_conflicts(meta, current):
+        if conflicts := resume_conflicts(meta, current, world_size):
             raise common.UsageError(f"cannot resume from {path}, a checkpoint of another training: "
                                     f"{'; '.join(conflicts)}. Start fresh with --resume never, or give "
                                     "another --output-dir")
+        global_batch = meta["course"]["global_batch"]
+        if global_batch % world_size:
+            fitting = [str(size) for size in range(1, global_batch + 1) if global_batch % size == 0]
+            raise common.UsageError(f"cannot resume from {path} on {world_size} workers: its global batch of "
+                                    f"{global_batch} does not divide among them; {', '.join(fitting)} "
+                                    "workers would resume it")
         ms.load_param_into_net(train_network, params)  # names and shapes match
-        steps = Position(meta["epoch"], meta["step"]).steps(steps_per_epoch)
-        state = State(steps, meta["history"], [tuple(point) for point in meta["loss_points"]])
-        return Resumed(path, state, meta["restarts"])
+        state = State(meta["steps"], meta["history"], [tuple(point) for point in meta["loss_points"]],
+                      [Part(**part) for part in meta["parts"]])
+        return Resumed(path, state, meta["restarts"], global_batch)
     return None
 
 
@@ -177,10 +200,10 @@ class Checkpoints:
         """The training at `state` as a checkpoint, unless saved already; the oldest beyond `keep` go."""
         if state.steps == self.saved_steps:
             return
-        started, position = time.perf_counter(), Position.after(state.steps, self.steps_per_epoch)
+        started = time.perf_counter()
         meta = {"format": CHECKPOINT_FORMAT, "job_version": common.JOB_VERSION, "course": self.current,
-                "epoch": position.epoch, "step": position.step, "restarts": self.restarts,
-                "history": state.history, "loss_points": state.loss_points}
+                "steps": state.steps, "restarts": self.restarts, "history": state.history,
+                "loss_points": state.loss_points, "parts": [dataclasses.asdict(part) for part in state.parts]}
         save_checkpoint(train_network, self.path(state.steps), extra={"meta": json.dumps(meta)})
         for old in newest_first(self.directory)[self.keep:]:
             old.unlink()

@@ -1,6 +1,7 @@
 """The results, measured on every rank and written by rank 0, each file whole and logged to the run: the model
 (checkpoint, MindIR, MLflow model), summary.json and the PNGs. matplotlib is imported late: rank 0 draws."""
 
+import dataclasses
 import io
 import json
 import resource
@@ -45,7 +46,8 @@ def report(training, splits):
         "replicas_identical": identical, "mlflow_run_id": training.tracker.run_id,
         "skipped_steps": training.skipped_steps,
         "resumed_from_epoch": resumed_at.epoch, "resumed_from_step": resumed_at.step,
-        "restarts": saver.restarts, "weights_sha256": fingerprints[0].tobytes().hex(),
+        "restarts": saver.restarts, "parts": [dataclasses.asdict(part) for part in training.parts],
+        "weights_sha256": fingerprints[0].tobytes().hex(),
         "checkpoint_save_ms": 1000 * float(np.mean(saver.save_s)) if saver.save_s else None,
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
     }

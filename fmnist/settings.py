@@ -42,7 +42,7 @@ class Config:
 
     epochs: int = setting(10, "training epochs in total", check=POSITIVE)
     batch_size: int = setting(64, "batch size per device (the default fits itself to a small training set); "
-                              "times the world size, the global batch", check=POSITIVE, course=True)
+                              "times the world size, the global batch, which a resume keeps", check=POSITIVE)
     lr: float = setting(0.1, "learning rate", check=POSITIVE, course=True)
     optimizer: str = setting("sgd", "optimizer", choices=("sgd", "momentum", "adam"), course=True)
     momentum: float = setting(0.9, "momentum, for --optimizer momentum", check=BELOW_ONE, course=True)

@@ -63,7 +63,7 @@ def write_dataset(directory, seed=0, splits=None):
 
 # The modules whose tests take longest go first and the quick ones last, so that the quick ones fill the
 # pytest-xdist workers' ends instead of one worker finishing a long test alone (docs/testing.md).
-LONGEST_FIRST = ("test_reliability", "test_own_network", "test_preemption", "test_tracking", "test_fault_tolerance",
+LONGEST_FIRST = ("test_world_size", "test_reliability", "test_own_network", "test_preemption", "test_tracking", "test_fault_tolerance",
                  "test_job", "test_failures", "test_bad_input", "test_deploy", "test_data_fetch")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from fmnist import checkpoints, common
 from conftest import (ROOT, alive, job_env, job_processes, kill_all, mlflow_server, read_summary, run_main,
-                      run_msrun, runs_main_py, tiny_args, wait_for, worker_pids)
+                      run_msrun, run_sh, runs_main_py, tiny_args, wait_for, worker_pids)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,7 +31,7 @@ def mlflow_run(cwd, run_id):
 # --- resume
 
 
-def test_resume_refuses_other_settings_and_world_size(tiny_data, tmp_path):
+def test_resume_refuses_other_settings_but_not_another_world_size(tiny_data, tmp_path):
     first = run_msrun(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off"))
     assert first.returncode == 0, first.logs
     changed = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2",
@@ -39,9 +39,24 @@ def test_resume_refuses_other_settings_and_world_size(tiny_data, tmp_path):
     assert changed.returncode == common.EXIT_USAGE
     error = [line for line in changed.stderr.splitlines() if "ERROR" in line]
     assert len(error) == 1, changed.stderr[-3000:]
-    for difference in ("lr: was 0.1, now 0.01", "optimizer: was sgd, now momentum", "world_size: was 2, now 1",
-                       "--resume never"):
+    for difference in ("lr: was 0.1, now 0.01", "optimizer: was sgd, now momentum", "--resume never"):
         assert difference in error[0], (difference, error[0])
+    # The world size is free (the global batch is kept), and so is the per-device batch it implies.
+    assert "world_size" not in error[0] and "global_batch" not in error[0], error[0]
+    assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
+
+
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_those_that_do(tiny_data, tmp_path):
+    first = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--batch-size", "3"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_sh(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"),
+                     WORKERS="2")
+    assert resumed.returncode == common.EXIT_USAGE, resumed.console[-3000:]
+    for rank in (0, 1):
+        log = (tmp_path / "out" / "logs" / f"worker_{rank}.log").read_text()
+        errors = [line for line in log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and "Traceback" not in log, errors
+        assert "on 2 workers: its global batch of 3 does not divide among them; 1, 3 workers would" in errors[0]
     assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
     # The settings free to change (more epochs, another log interval, tracking) resume: test_fault_tolerance.py.
 

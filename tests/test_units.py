@@ -187,24 +187,32 @@ def test_weights_fingerprint_changes_with_any_weight():
     assert not np.array_equal(before, distributed.replicas_identical(alone, net)[1])
 
 
-def test_shard_batches_are_disjoint_cover_the_epoch_and_reshuffle():
+def global_batches(inputs, world_size, epoch=0, skip=0, global_batch=12):
+    """Each step's global batch, as the ranks of `world_size` workers train it: their slices, in rank order."""
+    ranks = []
+    for rank in range(world_size):
+        shard = main.Shard(inputs, global_batch, types.SimpleNamespace(rank=rank, world_size=world_size), seed=7)
+        shard.epoch, shard.skip = epoch, skip
+        ranks.append([labels for _, labels in shard])
+    return [np.concatenate(slices) for slices in zip(*ranks, strict=True)]
+
+
+def test_the_data_order_is_global_the_same_samples_each_step_on_any_world_size():
     images, labels = np.arange(100).reshape(100, 1), np.arange(100)
     inputs = data.Split(images, labels)
-    shards = [main.Shard(inputs, 8, rank, 3, seed=7) for rank in range(3)]
-    assert [len(s) for s in shards] == [4, 4, 4]  # 100 // (8 * 3) whole batches per rank
-    first = [np.concatenate([y for _, y in shard]) for shard in shards]
-    seen = np.concatenate(first)
-    assert len(seen) == len(set(seen.tolist())) == 96  # no sample twice; the remainder is dropped
-    second = np.concatenate([y for _, y in shards[0]])
-    assert not np.array_equal(first[0], second)  # a new order every epoch
-    resumed = main.Shard(inputs, 8, 0, 3, seed=7)
-    resumed.epoch = 1
-    np.testing.assert_array_equal(np.concatenate([y for _, y in resumed]), second)  # same order after resume
-    mid_epoch = main.Shard(inputs, 8, 0, 3, seed=7)
-    mid_epoch.epoch, mid_epoch.skip = 1, 3
-    assert len(mid_epoch) == 1 and mid_epoch.steps_per_epoch == 4
-    np.testing.assert_array_equal(np.concatenate([y for _, y in mid_epoch]), second[24:])  # the rest of it
-    for x, y in main.Shard(inputs, 8, 1, 3, seed=7):
+    one_worker = global_batches(inputs, 1)
+    assert len(one_worker) == 8  # 100 // 12 whole global batches; the remainder is dropped
+    for world_size in (1, 2, 3, 4):
+        steps = global_batches(inputs, world_size)
+        assert all(np.array_equal(mine, theirs) for mine, theirs in zip(steps, one_worker, strict=True))
+        seen = np.concatenate(steps)
+        assert len(seen) == len(set(seen.tolist())) == 96, world_size  # no sample twice, none skipped
+        # Resumed 3 steps into epoch 1 on any world size: the rest of the epoch an unbroken one trains.
+        whole = global_batches(inputs, 2, epoch=1)
+        rest = global_batches(inputs, world_size, epoch=1, skip=3)
+        assert all(np.array_equal(a, b) for a, b in zip(rest, whole[3:], strict=True)) and len(rest) == 5
+    assert not np.array_equal(np.concatenate(one_worker), np.concatenate(global_batches(inputs, 1, epoch=1)))
+    for x, y in main.Shard(inputs, 12, types.SimpleNamespace(rank=1, world_size=2), seed=7):
         np.testing.assert_array_equal(x[:, 0], y)  # images and labels stay paired
 
 
@@ -373,7 +381,7 @@ def test_checkpoint_names_sort_as_the_training_went(tmp_path):
     for path in reversed(paths):  # made in the reverse order, so that no time order helps
         path.touch()
     assert checkpoints.newest_first(tmp_path) == paths[::-1]
-    assert Position(1, 16).steps(256) == 272 and Position.after(272, 256) == Position(1, 16)
+    assert Position.after(272, 256) == Position(1, 16)
     assert Position.after(512, 256) == Position(2)
 
 

@@ -1,0 +1,110 @@
+"""The same training on any number of workers, on the real data with the defaults and through run.sh: 1 and 2
+workers with one global batch train alike, and a training stopped on one world size ends on the other, in the
+same MLflow run (docs/data-order.md)."""
+
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from fmnist import data
+from conftest import ROOT, job_env, read_summary, run_sh, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+# Measured on an Intel Xeon (Sapphire Rapids), 2 cores: the losses of the first 60 steps differ by at most
+# 6e-8, the mean loss of the first 100 by 0.003, the test accuracy after 3 epochs by 0.0004 (docs/data-order.md).
+SAME_STEPS, STEP_LOSS, FIRST_100_LOSS, ACCURACY = 60, 1e-5, 0.01, 0.003
+STOP = r"epoch 2/3 \| step 2\d\d/"  # inside epoch 2, where the job gets its SIGTERM
+LOCAL_COPIES = (*data.SYSTEM_DIRS, ROOT.parent / "shared" / "data" / "fashion-mnist")
+
+
+@pytest.fixture(scope="module")
+def real_data(tmp_path_factory):
+    """Fashion-MNIST from a local copy (make test installs Debian's), linked into a directory of its own."""
+    names = [f"{name}.gz" for split in data.FILES.values() for name in split]
+    source = next((Path(d) for d in LOCAL_COPIES if (Path(d) / names[0]).exists()), None)
+    if source is None:
+        pytest.skip(f"no local copy of Fashion-MNIST in {', '.join(map(str, LOCAL_COPIES))}")
+    directory = tmp_path_factory.mktemp("fashion-mnist")
+    for name in names:
+        (directory / name).symlink_to(source / name)
+    return directory
+
+
+def job_args(real_data, *extra):
+    return ["--data-dir", str(real_data), "--data-mirrors", "", "--epochs", "3", "--log-interval", "10", *extra]
+
+
+def mlflow_run(cwd, run_id):
+    client = MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    return client, client.get_run(run_id)
+
+
+def train_losses(cwd):
+    summary = read_summary(cwd / "outputs")
+    client, _ = mlflow_run(cwd, summary["mlflow_run_id"])
+    history = client.get_metric_history(summary["mlflow_run_id"], "train_loss")
+    return np.array([metric.value for metric in sorted(history, key=lambda metric: metric.step)])
+
+
+@pytest.fixture(scope="module")
+def straight(real_data, tmp_path_factory):
+    """Unbroken trainings of global batch 128: 2 workers of the default 64, and 1 of 128."""
+    runs = {}
+    for workers, extra in ((2, ()), (1, ("--batch-size", "128"))):
+        cwd = tmp_path_factory.mktemp(f"straight-{workers}")
+        result = run_sh(cwd, job_args(real_data, *extra), timeout=600, WORKERS=str(workers))
+        assert result.returncode == 0, result.console[-3000:]
+        runs[workers] = cwd
+    return runs
+
+
+def test_one_and_two_workers_with_one_global_batch_train_the_same_model(straight):
+    one, two = (read_summary(straight[workers] / "outputs") for workers in (1, 2))
+    assert [(summary["world_size"], summary["global_batch_size"]) for summary in (one, two)] == [(1, 128), (2, 128)]
+    losses = {workers: train_losses(cwd) for workers, cwd in straight.items()}
+    # Every 10 steps, the mean loss of those 10: float rounding alone at first, then amplified as the network
+    # leaves the plateau of an untrained one (about step 75).
+    same = np.abs(losses[1] - losses[2])[:SAME_STEPS // 10]
+    assert same.max() <= STEP_LOSS, same
+    assert abs(losses[1][:10].mean() - losses[2][:10].mean()) <= FIRST_100_LOSS
+    assert abs(one["test_accuracy"] - two["test_accuracy"]) <= ACCURACY, (one["test_accuracy"], two["test_accuracy"])
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_a_training_stopped_on_one_world_size_ends_on_another_in_the_same_run(straight, real_data, tmp_path,
+                                                                               before, after):
+    """SIGTERM inside epoch 2 on `before` workers, then the same command on `after`: 1 worker is given 128
+    per device at its start, and a resume keeps the global batch whatever --batch-size says."""
+    first_args = job_args(real_data, *(("--batch-size", "128") if before == 1 else ()))
+    job = subprocess.Popen([str(ROOT / "run.sh"), *first_args], cwd=tmp_path, env=job_env(WORKERS=str(before)),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "outputs" / "logs" / "worker_0.log"
+    wait_for(log, STOP, job, timeout=600)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    stopped_at = int(re.search(r"stopped by SIGTERM at step (\d+)", log.read_text()).group(1))
+    resumed = run_sh(tmp_path, job_args(real_data), timeout=600, WORKERS=str(after))
+    assert resumed.returncode == 0, resumed.console[-3000:]
+    was, now = 128 // before, 128 // after
+    plural = "s" if after > 1 else ""
+    assert (f"resuming a {before}-worker training on {after} worker{plural}: {was} -> {now} per device, global "
+            "batch 128 kept") in log.read_text()
+    summary = read_summary(tmp_path / "outputs")
+    assert summary["epochs"] == 3 and summary["global_batch_size"] == 128 and summary["restarts"] == 1
+    # The second part starts at the very step the first was stopped at and checkpointed: none twice, none lost.
+    assert summary["parts"] == [{"first_step": 0, "world_size": before, "batch_size": was},
+                                {"first_step": stopped_at, "world_size": after, "batch_size": now}]
+    assert 468 < stopped_at < 2 * 468
+    expected = read_summary(straight[2] / "outputs")["test_accuracy"]
+    assert abs(summary["test_accuracy"] - expected) <= ACCURACY, (summary["test_accuracy"], expected)
+    client, run = mlflow_run(tmp_path, summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # one run for the whole training
+    world_sizes = client.get_metric_history(run.info.run_id, "world_size")
+    assert sorted((m.step, m.value) for m in world_sizes) == [(1, before), (stopped_at + 1, after)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "restarts")] == [stopped_at + 1]
