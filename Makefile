@@ -1,6 +1,6 @@
 # Everyday commands; each does all the set-up it needs on a fresh machine (a venv in .venv, pinned packages).
 #   make run    train with ./run.sh: one worker per Ascend device, else 2 CPU workers (ARGS="--epochs 3")
-#   make test   the test suite, as CI runs it (all but the image's tests)
+#   make test   the test suite, as CI runs it (all but the image's tests; the real data for the world-size tests)
 #   make test-image  build the image with podman and run it, and the manifests' pods (as root; a few minutes)
 #   make bench  the benchmark on the real data, beside its PyTorch DDP peer (BENCH_ARGS="--epochs 2 --pairs 3")
 PYTHON ?= python3
@@ -20,7 +20,7 @@ run: $(VENV)/.runtime system-data
 
 # Three tests at a time: fewer, and the suite waits for msrun's starts and heartbeats and for servers; three keep
 # both cores busy (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
-test: $(VENV)/.dev
+test: $(VENV)/.dev system-data
 	PATH="$(BIN):$$PATH" python -m pytest -n 3 --dist loadgroup -m "not image" $(PYTEST_ARGS)
 
 # IMAGE_TESTS=required: a machine that cannot run them fails them instead of skipping them.

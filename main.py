@@ -222,6 +222,7 @@ class Training(Callback):
         # The latest validation's confusion matrix; the steps dynamic loss scaling skipped for overflows.
         self.confusion, self.skipped_steps = None, 0
         self.first_step_s = self.first_step_at = None
+        self.tracking_agreed = False
         # SIGTERM becomes a request the ranks agree on; one agreed at an epoch's end waits for its checkpoint.
         self.stop, self.stop_after_epoch = distributed.StopRequest(), 0
         self._loss_sum = self._overflows = self._loss_scale = None
@@ -308,6 +309,8 @@ class Training(Callback):
             self._first_step_done()
         if self.steps % self.cfg.log_interval == 0 or self.position.step == 0:
             self._log_interval()
+        if self.cfg.checkpoint_steps and self.steps % self.cfg.checkpoint_steps == 0:
+            self.agree_on_tracking()
         if self.checkpoints:
             self.checkpoints.step_done(self.model.train_network, self.state)
 
@@ -321,6 +324,13 @@ class Training(Callback):
             if self.checkpoints.restarts:
                 part.update(self.checkpoints.restart_cost())
             self.tracker.log_metrics(part, step=self.steps)
+
+    def agree_on_tracking(self):
+        """Before the first checkpoint or result, once: every rank learns whether MLflow took the run's start,
+        which rank 0 sends as training begins. A refusal ends them all with exit 2. A collective."""
+        if not self.tracking_agreed:
+            self.collective.wait_for(self.tracker.started if self.collective.is_main else None)
+            self.tracking_agreed = True
 
     def _log_interval(self):
         # One gather carries each rank's loss and whether it was asked to stop, so all ranks decide alike.
@@ -376,6 +386,7 @@ class Training(Callback):
                                 f"accuracy is {accuracy:.4f} and the loss {loss:.4f}, against "
                                 f"{self.chance:.2f} and {self.chance_loss:.2f} for guessing", exploded=False)
         self.history.append(figures)
+        self.agree_on_tracking()
         if self.collective.is_main:
             log.info("epoch %d/%d done | train %.1f s, %s samples/s | eval %.1f s | val_loss %.4f | "
                      "val_accuracy %.4f | training ends in %s", epoch, self.cfg.epochs, self._train_s,
@@ -410,6 +421,13 @@ def stop_early(training, exc):
         log.error("%s", exc)
         finish()
         return exc.status
+    try:
+        # Before the stop's checkpoint, as before any other.
+        if stopped:
+            training.agree_on_tracking()
+    except common.UsageError as refused:
+        log.error("%s", refused)
+        return refused.status
     try:
         # Rank 0 says why; the others say where they stopped.
         if not collective.is_main:
@@ -457,7 +475,6 @@ def main(argv=None) -> int:
         training.compile()
         startup.lap("compile")
         training.tracker = tracking.start(training.job, training.resumed is not None, splits, sources)
-        gc.freeze()  # MLflow's imports too
         startup.lap("tracking")
     except (common.UsageError, common.DiskFull) as exc:
         log.error("%s", exc)
@@ -466,7 +483,11 @@ def main(argv=None) -> int:
     with training.stop:
         try:
             training.fit()
+            training.agree_on_tracking()
             return outputs.report(training, splits)
+        except common.UsageError as exc:
+            log.error("%s", exc)
+            return exc.status
         except (Diverged, distributed.Terminated, common.DiskFull) as exc:
             return stop_early(training, exc)
 

@@ -128,11 +128,12 @@ stop_status=0 status=0
 trap 'stop 143' TERM
 trap 'stop 130' INT
 # msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone. Its stdout (the workers' logs)
-# goes to the console without INFO lines; its stderr (its traceback, which report_failure says better) to a file.
+# goes to the console without INFO lines or MindSpore's cluster messages (the logs keep them); its stderr (its
+# traceback, which report_failure says better) to a file.
 : >"$LOG_DIR/msrun.log"
 # shellcheck disable=SC2094  # both append to msrun.log; nothing reads it meanwhile
 setsid "${launcher[@]}" 2>>"$LOG_DIR/msrun.log" \
-  > >(trap '' INT; grep --line-buffered -v '^\[INFO\] ' | tee -ai "$LOG_DIR/msrun.log") &
+  > >(trap '' INT; grep --line-buffered -Ev '^\[INFO\] |^\[(ERROR|WARNING)\] DISTRIBUTED' | tee -ai "$LOG_DIR/msrun.log") &
 msrun_pid=$!
 until wait "$msrun_pid" && status=0; do  # a trapped signal ends `wait` early, with a status over 128
   status=$?

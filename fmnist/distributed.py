@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -102,7 +103,13 @@ def init_distributed():
         return 0, 0, 1
     if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
         os.environ.update(HEARTBEAT_S)
-    init()
+    try:
+        init()
+    except RuntimeError as exc:
+        if os.environ["MS_ROLE"] != "MS_SCHED":
+            raise
+        # A worker ended the job, and its own log says why: the scheduler ends in one line, no traceback.
+        sys.exit(f"msrun's scheduler: the job ended early: {common.first_line(exc)}")
     world_size = get_group_size()
     # Averaged gradients, in one fused all-reduce for all of LeNet's (240 KB) instead of one per parameter.
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
@@ -142,11 +149,6 @@ class Collective:
             failed = int(np.argmax(states == 2))
             raise common.UsageError(f"rank {failed} failed (its log says why); this rank stops too")
         return result
-
-    def broadcast_text(self, text, length=64):
-        """Rank 0's `text` (ASCII, at most `length` characters) on every rank."""
-        codes = np.frombuffer(text.encode("ascii").ljust(length, b"\0"), dtype=np.uint8).astype(np.int32)
-        return bytes(self.all_gather(codes)[0].astype(np.uint8)).rstrip(b"\0").decode("ascii")
 
 
 class Evaluation(Metric):

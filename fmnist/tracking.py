@@ -228,33 +228,64 @@ class Tracker:
         self.cfg, self.output_dir, self.online, self.node = cfg, cfg.output_dir, cfg.tracking == "on", node
         self.journal, self.sender, self.thread = Journal(cfg.output_dir / JOURNAL), None, None
         self.finishing, self.system_stopped = threading.Event(), threading.Event()
+        self.starting, self.start_error, self.started_at = None, None, 0
+        # Metric points logged before the start line is journaled wait here, to follow it in the journal.
+        self.journaling, self.early_points = threading.Lock(), []
 
     @property
     def run_id(self):
         return self.sender and self.sender.run_id
 
     def start(self, params, tags, datasets, continues):
-        """Journal the run's start with MLflow's context tags (user, source, commit); online, await it."""
-        import mlflow
-        self.journal.append("start", experiment=self.cfg.experiment, run_name=self.cfg.run_name,
-                            params={key: str(value) for key, value in params.items()}, datasets=datasets,
-                            tags=mlflow.tracking.context.registry.resolve_tags(tags), continues=continues)
-        if self.online:
-            started_at, deadline = self.journal.path.stat().st_size, time.monotonic() + START_WAIT_S
-            self.sender = Sender(self.output_dir)
-            self.thread = threading.Thread(target=self._follow, daemon=True)
-            self.thread.start()
-            while (self.sender.offset < started_at and not self.sender.failures and self.thread.is_alive()
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
-            if self.sender.refused:
-                self.journal.rollback()
-                raise common.UsageError(self.sender.refused)
-        threading.Thread(target=self._sample_system, daemon=True).start()
+        """The run's start, on a thread of its own: MLflow's import and the run's creation take seconds that
+        training need not wait for. started() awaits it."""
+        self.starting = threading.Thread(target=self._start, args=(params, tags, datasets, continues),
+                                         daemon=True)
+        self.starting.start()
+
+    def _start(self, params, tags, datasets, continues):
+        """Journal the run's start with MLflow's context tags (user, source, commit); online, send it."""
+        try:
+            import mlflow
+            params = {key: str(value) for key, value in params.items()}
+            with self.journaling:
+                self.journal.append("start", experiment=self.cfg.experiment, run_name=self.cfg.run_name,
+                                    params=params, datasets=datasets(), continues=continues,
+                                    tags=mlflow.tracking.context.registry.resolve_tags(tags))
+                for point in self.early_points:
+                    self.journal.append("metrics", **point)
+                self.early_points = None
+            if self.online:
+                self.started_at, self.sender = self.journal.path.stat().st_size, Sender(self.output_dir)
+                self.thread = threading.Thread(target=self._follow, daemon=True)
+                self.thread.start()
+            threading.Thread(target=self._sample_system, daemon=True).start()
+        except Exception as exc:
+            self.start_error = exc
+
+    def started(self):
+        """Once MLflow took the run's start, or START_WAIT_S went by trying. UsageError if it refused it (the
+        journal's lines taken back); the start's own error, such as DiskFull, raised here."""
+        self.starting.join()
+        if self.start_error:
+            raise self.start_error
+        deadline = time.monotonic() + START_WAIT_S
+        while (self.online and self.sender.offset < self.started_at and not self.sender.failures
+               and self.thread.is_alive() and time.monotonic() < deadline):
+            time.sleep(0.05)
+        if self.online and self.sender.refused:
+            self.system_stopped.set()
+            self.journal.rollback()
+            raise common.UsageError(self.sender.refused)
 
     def log_metrics(self, values, step):
         values = {key: float(value) for key, value in values.items()}
-        self.journal.append("metrics", step=int(step), timestamp=int(time.time() * 1000), values=values)
+        point = {"step": int(step), "timestamp": int(time.time() * 1000), "values": values}
+        with self.journaling:
+            if self.early_points is not None:
+                self.early_points.append(point)
+                return
+        self.journal.append("metrics", **point)
 
     def log_artifact(self, path):
         self.journal.append("artifact", path=str(Path(path).resolve()))
@@ -267,6 +298,9 @@ class Tracker:
     def finish(self, status, timeout=None):
         """The run's end journaled; online, the sender has `timeout` s (else --tracking-wait) for the rest."""
         self.system_stopped.set()
+        self.starting.join()
+        if self.start_error or self.sender and self.sender.refused:
+            return
         self.journal.append("end", status=status)
         if not self.online:
             log.info("MLflow: offline; `python -m fmnist.tracking sync %s` sends the run", self.output_dir)
@@ -311,39 +345,22 @@ class Tracker:
 
 
 def start(job, continues, splits, sources):
-    """A main.Job's tracker: rank 0 journals the run's start and, online, creates or continues the run (a
-    refusal is bad input on every rank); further nodes watch their own system. A collective."""
+    """A main.Job's tracker: rank 0's journals the run's start and, online, creates or continues the run, as
+    training begins (Tracker.started); elsewhere, or with --tracking off, a NullTracker."""
     cfg, collective = job.cfg, job.collective
-    node = f"node{os.environ.get('NODE_RANK', '0')}"  # in system metrics' names; run.sh exports NODE_RANK
-    if cfg.tracking == "off":
+    if cfg.tracking == "off" or not collective.is_main:
         return NullTracker()
-    tracker, create_run = NullTracker(), None
-    if collective.is_main:
-        tracker = Tracker(cfg, node)
-        params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
-                  "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
-                  "mindspore_version": importlib.metadata.version("mindspore"),
-                  "job_version": common.JOB_VERSION}
-        tags = {"device": job.device, "world_size": str(collective.world_size),
-                "job_version": common.JOB_VERSION}
-        # An image has no .git for MLflow's git context to read: its build says which commit it is.
-        if os.environ.get("GIT_COMMIT"):
-            tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
-        datasets = dataset_entities(splits, job.checksums, sources)
-        create_run = functools.partial(tracker.start, params, tags, datasets, continues)
-    collective.wait_for(create_run)
-    if cfg.tracking == "on" and collective.world_size > job.local_workers:
-        run_id = collective.broadcast_text(tracker.run_id or "")
-        watches = run_id and collective.is_local_main and not collective.is_main
-        # Awaited: its import of MLflow takes seconds, and a collective fails a rank MS_NODE_TIMEOUT late.
-        collective.wait_for(functools.partial(watch_node, run_id, node) if watches else None)
+    tracker = Tracker(cfg, f"node{os.environ.get('NODE_RANK', '0')}")  # run.sh exports NODE_RANK
+    params = {**dataclasses.asdict(cfg), **job.resolved, "onednn_isa_cap": job.cpu["onednn_isa_cap"],
+              "cpu_model": job.cpu["model"], "global_batch_size": cfg.batch_size * collective.world_size,
+              "mindspore_version": importlib.metadata.version("mindspore"), "job_version": common.JOB_VERSION}
+    tags = {"device": job.device, "world_size": str(collective.world_size), "job_version": common.JOB_VERSION}
+    # An image has no .git for MLflow's git context to read: its build says which commit it is.
+    if os.environ.get("GIT_COMMIT"):
+        tags["mlflow.source.git.commit"] = os.environ["GIT_COMMIT"]
+    datasets = functools.partial(dataset_entities, splits, job.checksums, sources)
+    tracker.start(params, tags, datasets, continues)
     return tracker
-
-
-def watch_node(run_id, node):
-    """MLflow's own system-metrics monitor, straight to the run: a further node's, online only."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-    SystemMetricsMonitor(run_id, node_id=node).start()
 
 
 def dataset_entities(splits, checksums, sources):

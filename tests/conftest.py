@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from servers import free_port, mlflow_server, models_serve, reserved_port, wait_until_up  # noqa: E402,F401 (shared)
 
 # The operators' CRDs, beside the checkout (not in a clone elsewhere): without them 9 checks are skipped.
-CRDS = ROOT.parent / "shared" / "crds"
+CRDS = ROOT / "tests" / "crds"  # the operators' CRDs, copied unchanged: SOURCES.md
 SPLITS = {"train": 256, "t10k": 96}  # samples: enough for a few steps per worker, seconds per epoch
 
 
@@ -77,16 +77,6 @@ def pytest_collection_modifyitems(items):
         fixtures = item._fixtureinfo.name2fixturedefs.values()  # pylint: disable=protected-access
         if any(definitions[-1].scope == "module" for definitions in fixtures):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    """The last line, when the manifests were not checked against the CRDs: how to check them."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter and not hasattr(config, "workerinput") and not CRDS.is_dir():
-        reporter.write_line(f"note: the manifests were not checked against the operators' CRDs: {CRDS} is absent; "
-                            "put the CRDs there (tests/test_operators.py names each file) and run make test again",
-                            yellow=True)
 
 
 @pytest.fixture(scope="session")

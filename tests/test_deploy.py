@@ -157,13 +157,16 @@ if sys.argv[0].endswith("main.py"):
     from fmnist import outputs
     write_all = outputs.write_all
 
-    def signalled(*args, **kwargs):
+    def signalled(training, *args, **kwargs):
         pid = os.getppid()
         while "run.sh" not in open(f"/proc/{pid}/cmdline").read():
             pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
         os.kill(pid, signal.SIGTERM)
-        time.sleep(1)  # run.sh passes it on to the worker meanwhile
-        return write_all(*args, **kwargs)
+        deadline = time.monotonic() + 30
+        while not training.stop.signum and time.monotonic() < deadline:  # till run.sh has passed it on
+            time.sleep(0.05)
+        assert training.stop.signum == signal.SIGTERM, "run.sh did not pass the SIGTERM on"
+        return write_all(training, *args, **kwargs)
     outputs.write_all = signalled
 """
 

@@ -156,6 +156,42 @@ def test_a_training_that_stopped_learning_is_a_divergence(longer_data, tmp_path,
     assert [run.info.status for run in runs] == ["FAILED"] and client.search_registered_models() == []
 
 
+# From the 41st log interval on (epoch 2, at 32 intervals an epoch), the gathered training loss is NaN.
+NAN_IN_EPOCH_2 = """
+import os, sys
+if sys.argv[0].endswith("main.py"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    import numpy as np
+    from fmnist import distributed
+    gather, intervals = distributed.Collective.all_gather, []
+    def all_gather(self, array):
+        rows = gather(self, array)
+        if rows.dtype == np.float64 and rows.shape[1:] == (2,):  # an interval's (loss, stop request)
+            intervals.append(1)
+            if len(intervals) > 40:
+                rows[:, 0] = np.nan
+        return rows
+    distributed.Collective.all_gather = all_gather
+"""
+
+
+def test_a_divergence_keeps_the_checkpoints_of_the_good_epochs(longer_data, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NAN_IN_EPOCH_2)
+    args = tiny_args(longer_data, "out", "--epochs", "3", "--log-interval", "8", "--tracking", "off")
+    result = run_sh(tmp_path, args, WORKERS="2", PYTHONPATH=str(hook))
+    assert result.returncode == common.EXIT_DIVERGED, result.console[-3000:]
+    assert "training loss nan at step 328 (epoch 2)" in result.console, result.console[-3000:]
+    assert "the checkpoints of the good epochs stay in out/checkpoints" in result.console
+    checkpoints = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch-0001.ckpt"]
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    meta = json.loads(ms.load_checkpoint(str(checkpoints / "epoch-0001.ckpt"), crc_check=True)["meta"])
+    assert meta["steps"] == 256 and len(meta["history"]) == 1
+    assert not (tmp_path / "out" / "model.ckpt").exists() and not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_divergence_check_off_trains_on(longer_data, tmp_path):
     """The flag alone decides: one process, 256 steps of 32 images, as the 2 workers above take."""
     result = run_main(tmp_path, tiny_args(longer_data, "out", "--lr", "1e-07", "--tracking", "off", "--log-interval",

@@ -4,6 +4,8 @@ import getpass
 import hashlib
 import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -353,6 +355,62 @@ def test_a_server_lost_mid_run_costs_a_bounded_wait_and_sync_sends_the_rest_once
             assert_complete(url, out, epochs=2, steps_per_epoch=256, interval=32)
 
 
+def test_a_server_back_mid_run_gets_everything_from_the_jobs_own_sender(longer_data, tmp_path):
+    """Stopped once the run exists, and started again on the same store and port while the job trains: the job's
+    own sender delivers what waited, and the run is complete without `sync`."""
+    port, out = reserved_port(), tmp_path / "out"
+    log = out / "logs" / "worker_0.log"
+    with mlflow_server(tmp_path, port=port) as (url, _):
+        job = start_job(tmp_path, tiny_args(longer_data, out, "--epochs", "4", "--log-interval", "32"), url)
+        wait_for_log(log, r"MLflow: run \w+", job)
+    wait_for_log(log, "MLflow: cannot reach", job)
+    with mlflow_server(tmp_path, port=port) as (url, _):
+        console, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, console[-3000:]
+        text = log.read_text()
+        assert "answers again; sending what waited" in text and "did not take" not in text, text[-3000:]
+        assert_complete(url, out, epochs=4, steps_per_epoch=256, interval=32)
+
+
+def test_sync_exits_2_for_a_directory_without_a_journal_or_held_by_a_job(tmp_path):
+    def sync_of(directory):
+        return subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(directory)], cwd=ROOT,
+                              capture_output=True, text=True, env=job_env(), timeout=120, check=False)
+    empty = sync_of(tmp_path)
+    assert empty.returncode == 2 and empty.stderr.strip().endswith(f"{tmp_path} holds no MLflow journal "
+                                                                   f"({tracking.JOURNAL})"), empty.stderr
+    (tmp_path / tracking.JOURNAL).write_text("")
+    with common.hold_lock(tmp_path / ".lock", "the test's job"):
+        held = sync_of(tmp_path)
+    assert held.returncode == 2 and len(held.stderr.strip().splitlines()) == 1, held.stderr
+    assert "is in use by" in held.stderr and "Traceback" not in held.stderr, held.stderr
+
+
+def test_an_unanswering_server_holds_the_start_at_most_15_s_and_a_stop_at_most_10_s(longer_data, tmp_path):
+    """A server that takes connections and never answers: the first epoch's checkpoint waits for the run's
+    start at most START_WAIT_S, then training goes on; a SIGTERM's stop gives it at most STOP_TIMEOUT_S."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        out = tmp_path / "out"
+        log = out / "logs" / "worker_0.log"
+        job = start_job(tmp_path, tiny_args(longer_data, out, "--epochs", "3", "--log-interval", "32"), url)
+        wait_for_log(log, r"epoch 2/3 \| step 64/", job)
+        job.send_signal(signal.SIGTERM)
+        console, _ = job.communicate(timeout=120)
+    assert job.returncode == 143, console[-3000:]
+    text = log.read_text()
+    stamp = r"(\d\d):(\d\d):(\d\d) rank0 \w+ "
+    def at(pattern):
+        match = re.search(stamp + pattern, text)
+        assert match, (pattern, text[-3000:])
+        return int(match[1]) * 3600 + int(match[2]) * 60 + int(match[3])
+    waited = at("epoch 1/3 done") - at(r"epoch 1/3 \| step 256/256")
+    assert waited <= tracking.START_WAIT_S + 2, waited
+    assert "did not take the last" in text and "within 10 s" in text, text[-3000:]
+    stopped = at("stopped by SIGTERM")
+    assert at("MLflow: .* did not take the last") - stopped <= tracking.STOP_TIMEOUT_S + 2
+
+
 def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):
     """MLflow's own basic-auth server and a wrong password: exit 2 within seconds, in one line that names the
     server and the refusal; the journal keeps nothing of the refused job."""
@@ -366,7 +424,8 @@ def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"MLflow at {url} refused to start the run" in errors[0], result.stderr[-3000:]
     assert "401" in errors[0] and "Traceback" not in result.stderr
-    assert "epoch 1/1" not in result.stderr  # before training
+    # Training began as the run's start was sent; the refusal came before any checkpoint or result.
+    assert not list((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
     assert took < 60, took
     journal = tmp_path / "out" / tracking.JOURNAL
     assert not journal.exists() or journal.read_text() == ""

@@ -341,8 +341,8 @@ def test_dynamic_loss_scale_and_skipped_steps_are_logged(tmp_path):
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
         training.on_train_step_end(FakeRunContext(net_outputs=outputs))
-    assert [(step, m["skipped_steps"], m["loss_scale"]) for step, m in training.tracker.logged] == [
-        (2, 1, 32768.0), (4, 3, 16384.0)]
+    intervals = [(step, m["skipped_steps"], m["loss_scale"]) for step, m in training.tracker.logged if "loss_scale" in m]
+    assert intervals == [(2, 1, 32768.0), (4, 3, 16384.0)]
     assert training.skipped_steps == 3
 
 
@@ -394,7 +394,7 @@ def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
 
 
 def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
-    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.State(290), restarts=2)
+    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.State(290), restarts=2, global_batch=32)
     (tmp_path / "checkpoints").mkdir()
     # As the stopped job left it: step 300, done at 990 s after the epoch.
     (tmp_path / "checkpoints" / "last-step").write_text(f"{300:12d} {990.0:20.6f}\n")
