@@ -7,16 +7,14 @@
 One file for Ascend NPUs (HCCL, float16 under amp O2) and CPU (MindSpore's own collective). Every setting is a
 flag and a variable (--help): above all --epochs, --batch-size (per device), --lr and --output-dir. With the
 defaults, 2 CPU workers reach a test accuracy of 0.8726 in about a minute, and write outputs/summary.json, the
-model, its pictures and an MLflow run. Below, in the order the job runs: its place in msrun, the data, the
-model, the training as one Model callback, the end; then main(). fmnist/ holds the machinery."""
+model, its pictures and an MLflow run. Below, in the order the job runs: the data (once the worker has joined
+msrun), the model, the training as one Model callback, the end; then main(). fmnist/ holds the machinery."""
 
 import copy
 import dataclasses
 import functools
 import gc
-import json
 import math
-import os
 import sys
 import time
 
@@ -29,53 +27,7 @@ from mindspore.train import Callback, Model
 from fmnist import checkpoints, common, data, distributed, model, outputs, serving, settings, tracking
 from fmnist.common import log
 
-# --- The job: the settings, what they resolve to on this device, and this worker's place in the msrun job
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """The settings, what this worker resolved from them, and its place in the msrun job."""
-
-    cfg: settings.Config
-    checksums: dict
-    device: str
-    amp_level: str
-    loss_scaling: str
-    cpu: dict  # the CPU's model, ISA flags and oneDNN's cap on them, this worker's threads
-    collective: distributed.Collective
-    local_workers: int
-    output_lock: object  # rank 0's, held until the process ends, however it ends
-
-    @property
-    def resolved(self):
-        """What the run records beside the settings, and a resume must match."""
-        return {"device": self.device, "world_size": self.collective.world_size, "amp_level": self.amp_level,
-                "loss_scaling": self.loss_scaling}
-
-
-def join_job(cfg):
-    """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU.
-    msrun's scheduler process stays in init() until the job ends."""
-    device = distributed.resolve_device(cfg.device)
-    amp_level, loss_scaling = settings.resolve_precision(cfg.amp, cfg.loss_scale, device)
-    isa_cap = distributed.cap_onednn_isa() if device == "CPU" else None
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(device)
-    rank, local_rank, world_size = distributed.init_distributed()
-    common.configure_logging(rank)
-    local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
-    threads = distributed.set_up_worker(device, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
-    # Identical initial weights on every replica: MindSpore does not broadcast them.
-    ms.set_seed(cfg.seed)
-    cpu = {**distributed.cpu_description(), "onednn_isa_cap": isa_cap, "threads_per_worker": threads}
-    lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}") if rank == 0 else None
-    job = Job(cfg, data.load_checksums(cfg.checksums_file), device, amp_level, loss_scaling, cpu,
-              distributed.Collective(rank, local_rank, world_size), local_workers, lock)
-    # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
-    log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA "
-             "cap %s, settings %s", rank, world_size, os.getpid(), device, amp_level, loss_scaling, threads,
-             sorted(os.sched_getaffinity(0)), isa_cap, json.dumps(dataclasses.asdict(cfg), default=str))
-    return job
+# --- The job's place in msrun (distributed.join_job) and its data
 
 
 def get_data(job):
@@ -457,7 +409,7 @@ def main(argv=None) -> int:
     gc.freeze()
     startup = Startup()
     try:
-        job = join_job(settings.parse_config(argv))
+        job = distributed.join_job(settings.parse_config(argv))
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE

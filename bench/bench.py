@@ -51,9 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-isa", default=os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
                         help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or ALL "
                              "for none; default: the job's own (AVX2 on x86-64)")
-    parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peer" / "bin" / "python",
+    parser.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"),
                         help="the Python of the PyTorch peer's venv (default: .venv-peer/bin/python, as make bench "
-                             "makes it)")
+                             "makes it); empty: the job alone")
     parser.add_argument("--pairs", type=int, default=1,
                         help="untracked runs of the job, each followed by one of the peer; the ratio is taken "
                              "pair by pair, so a drifting machine moves both alike (default: 1)")
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "bench.json",
                         help="where to write the results (default: bench/results/bench.json)")
     args = parser.parse_args(argv)
-    if not (args.peer_python.parent / "torchrun").exists():
+    if args.peer_python and not (Path(args.peer_python).parent / "torchrun").exists():
         parser.error(f"--peer-python {args.peer_python}: no PyTorch venv there; make bench makes it "
                      "(pip install -r bench/requirements-peer.txt in a venv of its own)")
     for name in ("epochs", "workers", "batch_size", "pairs"):
@@ -100,7 +100,10 @@ def wait_until_idle(pid, timeout=120):
 
 
 def run_job(name, workdir, args, workers, batch_size, env_extra):
-    """One real job through run.sh; returns its summary.json plus the launch-to-exit wall time."""
+    """One real job through run.sh, in a directory of its own (so a local mlflow.db is new); returns its
+    summary.json plus the launch-to-exit wall time."""
+    workdir = workdir / name
+    workdir.mkdir()
     out = workdir / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update({"WORKERS": str(workers), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
@@ -164,18 +167,18 @@ def children_cpu_s():
 
 
 def table(runs):
-    rows = [("run", "wall s", "first step s", "train samples/s", "per epoch", "eval s", "CPU s/1k samples",
-             "peak MB/worker", "test acc")]
+    rows = [("run", "wall s", "first step s", "job's first step s", "train samples/s", "per epoch", "eval s",
+             "CPU s/1k samples", "peak MB/worker", "test acc")]
     for run in runs:
         if "epoch_history" not in run:  # the peer
-            rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
+            rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}", "-",
                          f"{run['train_samples_per_s']:,.0f}",
                          " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epochs"]), "-", "-", "-",
                          f"{run['test_accuracy']:.4f}"))
             continue
         per_epoch = " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epoch_history"])
         rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
-                     f"{run['train_samples_per_s']:,.0f}", per_epoch,
+                     f"{run['first_step_s']:.1f}", f"{run['train_samples_per_s']:,.0f}", per_epoch,
                      f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}", f"{run['cpu_s_per_1000_samples']:.3f}",
                      f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
     return aligned(rows)
@@ -194,8 +197,8 @@ def main(argv=None):
         pairs = []  # (the job untracked, its PyTorch peer), run in turn
         for i in range(args.pairs):
             suffix = f"-{i + 1}" if args.pairs > 1 else ""
-            pairs.append((run_job(f"untracked{suffix}", workdir, args, args.workers, args.batch_size,
-                                  {"TRACKING": "off"}), run_peer(f"pytorch-ddp{suffix}", workdir, args)))
+            ours = run_job(f"untracked{suffix}", workdir, args, args.workers, args.batch_size, {"TRACKING": "off"})
+            pairs.append((ours, run_peer(f"pytorch-ddp{suffix}", workdir, args) if args.peer_python else None))
         untracked = pairs[0][0]
         with mlflow_server(workdir) as (url, server):
             wait_until_idle(server.pid)
@@ -210,7 +213,9 @@ def main(argv=None):
                 print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell", flush=True)
                 served = serving.measure(f"runs:/{tracked['mlflow_run_id']}/model", workdir, url,
                                          test_images(args.data_dir), args.serving_requests)
-        runs = [*(run for pair in pairs for run in pair), tracked]
+        # The job's own MLflow store, made new by the job in its working directory.
+        local = run_job("tracked-local-store", workdir, args, args.workers, args.batch_size, {"TRACKING": "on"})
+        runs = [*(run for pair in pairs for run in pair if run), tracked, local]
         global_batch = args.workers * args.batch_size
         for workers in args.compare_workers:
             runs.append(run_job(f"{workers}-worker", workdir, args, workers, global_batch // workers,
@@ -224,12 +229,17 @@ def main(argv=None):
     overhead = (tracked["launch_wall_s"] - untracked["launch_wall_s"]) / untracked["launch_wall_s"]
     print()
     print(table(runs))
+    print("\nthe job's start, by phase (s):")
+    for run in (r for r in runs if "startup_phases_s" in r):
+        phases = ", ".join(f"{phase} {s:.1f}" for phase, s in run["startup_phases_s"].items())
+        print(f"  {run['name']}: {phases}")
     print(f"\nMLflow logging overhead: {overhead:+.1%} of wall time "
           f"({tracked['launch_wall_s']:.1f} s tracked vs {untracked['launch_wall_s']:.1f} s untracked); "
           f"the tracking server used {tracked['server_cpu_s']:.1f} CPU-s of this machine meanwhile")
-    ratios = sorted(peer["train_samples_per_s"] / ours["train_samples_per_s"] for ours, peer in pairs)
-    print(f"\nPyTorch DDP / this job, train samples/s: {' '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per worker)")
+    ratios = sorted(peer["train_samples_per_s"] / ours["train_samples_per_s"] for ours, peer in pairs if peer)
+    if ratios:
+        print(f"\nPyTorch DDP / this job, train samples/s: {' '.join(f'{r:.2f}' for r in ratios)} (median "
+              f"{ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per worker)")
     if synced is not None:
         print(f"\nsync: {args.sync_lines:,} metric lines of a journal sent in {synced:.1f} s")
     if served:

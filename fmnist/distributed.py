@@ -1,8 +1,10 @@
-"""This worker's place in the msrun job: its device and CPU share, joining, the collectives and the figures
-they gather (the test set's, the replicas' weights), and the stop request the ranks agree on."""
+"""This worker's place in the msrun job (join_job): its device and CPU share, joining, the collectives and the
+figures they gather (the test set's, the replicas' weights), and the stop request the ranks agree on."""
 
 import concurrent.futures
+import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -20,7 +22,8 @@ from mindspore import Tensor, ops
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Metric
 
-from . import common
+from . import common, data, settings
+from .common import log
 
 # oneDNN picks slow convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs; its AVX2 kernels are
 # several times faster (docs/performance.md). A user's own cap wins.
@@ -108,8 +111,11 @@ def init_distributed():
     except RuntimeError as exc:
         if os.environ["MS_ROLE"] != "MS_SCHED":
             raise
-        # A worker ended the job, and its own log says why: the scheduler ends in one line, no traceback.
-        sys.exit(f"msrun's scheduler: the job ended early: {common.first_line(exc)}")
+        # A worker ended the job, and its own log says why: the scheduler ends in one line, no traceback, and
+        # at once, as an uncaught error would (a normal exit waits for MindSpore's finalizers for seconds).
+        print(f"msrun's scheduler: the job ended early: {common.first_line(exc)}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
     world_size = get_group_size()
     # Averaged gradients, in one fused all-reduce for all of LeNet's (240 KB) instead of one per parameter.
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
@@ -149,6 +155,52 @@ class Collective:
             failed = int(np.argmax(states == 2))
             raise common.UsageError(f"rank {failed} failed (its log says why); this rank stops too")
         return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The settings, what this worker resolved from them, and its place in the msrun job."""
+
+    cfg: settings.Config
+    checksums: dict
+    device: str
+    amp_level: str
+    loss_scaling: str
+    cpu: dict  # the CPU's model, ISA flags and oneDNN's cap on them, this worker's threads
+    collective: Collective
+    local_workers: int
+    output_lock: object  # rank 0's, held until the process ends, however it ends
+
+    @property
+    def resolved(self):
+        """What the run records beside the settings, and a resume must match."""
+        return {"device": self.device, "world_size": self.collective.world_size, "amp_level": self.amp_level,
+                "loss_scaling": self.loss_scaling}
+
+
+def join_job(cfg):
+    """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU.
+    msrun's scheduler process stays in init() until the job ends."""
+    device = resolve_device(cfg.device)
+    amp_level, loss_scaling = settings.resolve_precision(cfg.amp, cfg.loss_scale, device)
+    isa_cap = cap_onednn_isa() if device == "CPU" else None
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device(device)
+    rank, local_rank, world_size = init_distributed()
+    common.configure_logging(rank)
+    local_workers = int(os.environ.get("LOCAL_WORKERS") or world_size)
+    threads = set_up_worker(device, local_rank, local_workers, cfg.cpu_bind == "on", cfg.threads)
+    # Identical initial weights on every replica: MindSpore does not broadcast them.
+    ms.set_seed(cfg.seed)
+    cpu = {**cpu_description(), "onednn_isa_cap": isa_cap, "threads_per_worker": threads}
+    lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}") if rank == 0 else None
+    job = Job(cfg, data.load_checksums(cfg.checksums_file), device, amp_level, loss_scaling, cpu,
+              Collective(rank, local_rank, world_size), local_workers, lock)
+    # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
+    log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA "
+             "cap %s, settings %s", rank, world_size, os.getpid(), device, amp_level, loss_scaling, threads,
+             sorted(os.sched_getaffinity(0)), isa_cap, json.dumps(dataclasses.asdict(cfg), default=str))
+    return job
 
 
 class Evaluation(Metric):

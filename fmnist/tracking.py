@@ -156,6 +156,15 @@ class Sender:
             getattr(self, op["op"])(op)  # the methods start and log_model below
 
     def start(self, op):
+        """The run's start. Two jobs making one new local store at once race in MLflow's migrations, so on a
+        local store one start at a time."""
+        if not self.uri.startswith("sqlite:///"):
+            return self.create_or_continue(op)
+        store_lock = Path(self.uri.removeprefix("sqlite:///") + ".lock")
+        with common.hold_lock(store_lock, "the MLflow store", wait=True):
+            return self.create_or_continue(op)
+
+    def create_or_continue(self, op):
         """Continue the training's run when it resumed and the store has it; else create one."""
         from mlflow.entities import Dataset, DatasetInput, InputTag, Param
         tags = op["tags"]
@@ -239,11 +248,11 @@ class Tracker:
     def start(self, params, tags, datasets, continues):
         """The run's start, on a thread of its own: MLflow's import and the run's creation take seconds that
         training need not wait for. started() awaits it."""
-        self.starting = threading.Thread(target=self._start, args=(params, tags, datasets, continues),
+        self.starting = threading.Thread(target=self._journal_start, args=(params, tags, datasets, continues),
                                          daemon=True)
         self.starting.start()
 
-    def _start(self, params, tags, datasets, continues):
+    def _journal_start(self, params, tags, datasets, continues):
         """Journal the run's start with MLflow's context tags (user, source, commit); online, send it."""
         try:
             import mlflow

@@ -372,6 +372,41 @@ def test_a_server_back_mid_run_gets_everything_from_the_jobs_own_sender(longer_d
         assert_complete(url, out, epochs=4, steps_per_epoch=256, interval=32)
 
 
+def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(tmp_path):
+    """A journal of 5,000 metric lines (10 requests of 1,000 points): `sync` is SIGKILLed once the first
+    request has gone, then run again; the run holds every point once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = tracking.Journal(out / tracking.JOURNAL)
+    journal.append("start", experiment="killed-sync", run_name="", params={}, datasets=[], tags={}, continues=False)
+    for step in range(5000):
+        journal.append("metrics", step=step, timestamp=1_700_000_000_000 + step,
+                       values={"train_loss": 1 / (step + 1), "train_samples_per_s": 1000.0})
+    journal.append("end", status="FINISHED")
+    with mlflow_server(tmp_path) as (url, _):
+        syncing = subprocess.Popen([sys.executable, "-m", "fmnist.tracking", "sync", str(out)], cwd=ROOT,
+                                   env=job_env(MLFLOW_TRACKING_URI=url), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        position = out / tracking.POSITION
+        deadline = time.monotonic() + 120
+        while not (position.exists() and json.loads(position.read_text() or "{}").get("offset")):
+            assert syncing.poll() is None and time.monotonic() < deadline, "sync ended before its first request"
+            time.sleep(0.01)
+        syncing.send_signal(signal.SIGKILL)
+        syncing.wait(timeout=60)
+        sent_before = json.loads(position.read_text())["offset"]
+        assert 0 < sent_before < journal.path.stat().st_size  # killed mid-way
+        again = sync(out, url)
+        assert again.returncode == 0, again.stderr[-3000:]
+        from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+        client = MlflowClient(url)
+        run_id = sent_run_id(out)
+        for name in ("train_loss", "train_samples_per_s"):
+            steps = sorted(m.step for m in client.get_metric_history(run_id, name))
+            assert steps == list(range(5000)), (name, len(steps))
+        assert client.get_run(run_id).info.status == "FINISHED"
+
+
 def test_sync_exits_2_for_a_directory_without_a_journal_or_held_by_a_job(tmp_path):
     def sync_of(directory):
         return subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(directory)], cwd=ROOT,

@@ -324,7 +324,7 @@ class RecordingTracker(tracking.NullTracker):
 def tiny_training(output_dir, **changes):
     """A one-process Training of 4 steps an epoch on 32 generated images, its journal a RecordingTracker."""
     cfg = settings.Config(epochs=1, batch_size=8, log_interval=2, output_dir=output_dir, **changes)
-    job = main.Job(cfg, {}, "CPU", "O0", "none", {}, distributed.Collective(0, 0, 1), 1, None)
+    job = distributed.Job(cfg, {}, "CPU", "O0", "none", {}, distributed.Collective(0, 0, 1), 1, None)
     split = data.Split(*make_split(32, seed=0))
     training = main.Training(job, data.Splits(split, split), main.Startup())
     training.resume()
