@@ -5,7 +5,6 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import platform
@@ -34,16 +33,6 @@ GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB of gradien
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 POLL_S = 0.2  # seconds between the small gathers of Collective.wait_for
-
-
-def resolve_device(requested):
-    if requested != "auto":
-        return requested
-    logging.disable(logging.WARNING)  # is_available() warns of the missing Ascend plugin, as expected on CPU
-    try:
-        return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def cap_onednn_isa(environ=os.environ, machine=None):
@@ -181,7 +170,7 @@ class Job:
 def join_job(cfg):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU.
     msrun's scheduler process stays in init() until the job ends."""
-    device = resolve_device(cfg.device)
+    device = settings.resolve_device(cfg.device)
     amp_level, loss_scaling = settings.resolve_precision(cfg.amp, cfg.loss_scale, device)
     isa_cap = cap_onednn_isa() if device == "CPU" else None
     ms.set_context(mode=ms.GRAPH_MODE)

@@ -4,6 +4,7 @@ WORLD_SIZE [flags...]` is run.sh's check before msrun, without MindSpore: exit 2
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -133,6 +134,19 @@ def parse_config(argv=None):
     return cfg
 
 
+def resolve_device(requested):
+    """--device as MindSpore finds it: auto is Ascend when present, else CPU. MindSpore is imported here, so
+    that run.sh's check loads it only for the one setting that needs it."""
+    if requested != "auto":
+        return requested
+    import mindspore as ms
+    logging.disable(logging.WARNING)  # is_available() warns of the missing Ascend plugin, as expected on CPU
+    try:
+        return "Ascend" if ms.device_context.ascend.is_available() else "CPU"
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def resolve_precision(amp, loss_scale, device):
     """(amp level, loss scaling) on `device`: amp auto is O2 on Ascend (float16 pays off on its cube units,
     and only adds casts on CPU), else O0; loss scaling auto is MindSpore's default."""
@@ -171,8 +185,7 @@ def main(argv):
         cfg = parse_config(argv[1:])
         data.load_checksums(cfg.checksums_file)
         if cfg.loss_scale == "dynamic":  # the one check the device decides, which needs MindSpore
-            from . import distributed
-            resolve_precision(cfg.amp, cfg.loss_scale, distributed.resolve_device(cfg.device))
+            resolve_precision(cfg.amp, cfg.loss_scale, resolve_device(cfg.device))
         if os.environ.get("NODE_RANK", "0") == "0":  # whose job writes there, and holds its lock
             common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}", probe=True).close()
         try:
