@@ -1,13 +1,16 @@
 """MLflow tracking against a real `mlflow server` on 127.0.0.1: what a 2-worker job records, and outages."""
 
+import contextlib
 import getpass
 import hashlib
+import itertools
 import json
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -373,12 +376,13 @@ def test_a_server_back_mid_run_gets_everything_from_the_jobs_own_sender(longer_d
 
 
 def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(tmp_path):
-    """A journal of 5,000 metric lines (10 requests of 1,000 points): `sync` is SIGKILLed once the first
-    request has gone, then run again; the run holds every point once."""
+    """A journal of 5,000 metric lines (10 requests of 1,000 points): `sync` is SIGKILLed once the first of
+    them has gone, then run again; the run holds every point once."""
     out = tmp_path / "out"
     out.mkdir()
     journal = tracking.Journal(out / tracking.JOURNAL)
     journal.append("start", experiment="killed-sync", run_name="", params={}, datasets=[], tags={}, continues=False)
+    started = journal.path.stat().st_size
     for step in range(5000):
         journal.append("metrics", step=step, timestamp=1_700_000_000_000 + step,
                        values={"train_loss": 1 / (step + 1), "train_samples_per_s": 1000.0})
@@ -389,8 +393,9 @@ def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(tmp_path):
                                    stderr=subprocess.DEVNULL)
         position = out / tracking.POSITION
         deadline = time.monotonic() + 120
-        while not (position.exists() and json.loads(position.read_text() or "{}").get("offset")):
-            assert syncing.poll() is None and time.monotonic() < deadline, "sync ended before its first request"
+        # Once a request of metric points has gone: the position has moved past the start line.
+        while not (position.exists() and json.loads(position.read_text() or "{}").get("offset", 0) > started):
+            assert syncing.poll() is None and time.monotonic() < deadline, "sync ended before its metrics"
             time.sleep(0.01)
         syncing.send_signal(signal.SIGKILL)
         syncing.wait(timeout=60)
@@ -421,10 +426,27 @@ def test_sync_exits_2_for_a_directory_without_a_journal_or_held_by_a_job(tmp_pat
     assert "is in use by" in held.stderr and "Traceback" not in held.stderr, held.stderr
 
 
+def trickle(server, stopped):
+    """Answer every connection with a status line one byte a second, never ending: no read times out."""
+    def answer(connection):
+        with contextlib.suppress(OSError), connection:
+            for byte in itertools.cycle(b"HTTP/1.1 200 OK"):
+                if stopped.wait(1):
+                    return
+                connection.sendall(bytes([byte]))
+    while not stopped.is_set():
+        with contextlib.suppress(OSError):
+            threading.Thread(target=answer, args=(server.accept()[0],), daemon=True).start()
+
+
 def test_an_unanswering_server_holds_the_start_at_most_15_s_and_a_stop_at_most_10_s(longer_data, tmp_path):
-    """A server that takes connections and never answers: the first epoch's checkpoint waits for the run's
-    start at most START_WAIT_S, then training goes on; a SIGTERM's stop gives it at most STOP_TIMEOUT_S."""
+    """A server that never finishes an answer (a byte a second, so that no read times out): the first epoch's
+    checkpoint waits for the run's start at most 15 s, then training goes on; a SIGTERM's stop gives it at most
+    10 s."""
+    stopped = threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(1)
+        threading.Thread(target=trickle, args=(silent, stopped), daemon=True).start()
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         out = tmp_path / "out"
         log = out / "logs" / "worker_0.log"
@@ -432,6 +454,7 @@ def test_an_unanswering_server_holds_the_start_at_most_15_s_and_a_stop_at_most_1
         wait_for_log(log, r"epoch 2/3 \| step 64/", job)
         job.send_signal(signal.SIGTERM)
         console, _ = job.communicate(timeout=120)
+        stopped.set()
     assert job.returncode == 143, console[-3000:]
     text = log.read_text()
     stamp = r"(\d\d):(\d\d):(\d\d) rank0 \w+ "
@@ -440,10 +463,10 @@ def test_an_unanswering_server_holds_the_start_at_most_15_s_and_a_stop_at_most_1
         assert match, (pattern, text[-3000:])
         return int(match[1]) * 3600 + int(match[2]) * 60 + int(match[3])
     waited = at("epoch 1/3 done") - at(r"epoch 1/3 \| step 256/256")
-    assert waited <= tracking.START_WAIT_S + 2, waited
+    assert waited <= 15 + 2, waited  # docs/tracking.md's bounds, not the code's own constants
     assert "did not take the last" in text and "within 10 s" in text, text[-3000:]
     stopped = at("stopped by SIGTERM")
-    assert at("MLflow: .* did not take the last") - stopped <= tracking.STOP_TIMEOUT_S + 2
+    assert at("MLflow: .* did not take the last") - stopped <= 10 + 2
 
 
 def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):
