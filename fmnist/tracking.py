@@ -145,7 +145,7 @@ class Sender:
 
     def send(self, op):
         from mlflow.entities import Metric
-        self.client = self.client or self.mlflow.MlflowClient(self.uri)
+        self.client = self.client or self.connect()
         if op["op"] == "metrics":
             self.client.log_batch(self.run_id, metrics=[Metric(*point) for point in op["points"]])
         elif op["op"] == "artifact":
@@ -155,17 +155,17 @@ class Sender:
         else:
             getattr(self, op["op"])(op)  # the methods start and log_model below
 
-    def start(self, op):
-        """The run's start. Two jobs making one new local store at once race in MLflow's migrations, so on a
-        local store one start at a time."""
+    def connect(self):
+        """The client. Making one makes a new local store, and two jobs making one store at once race in
+        MLflow's migrations: on a local store, one at a time."""
         if not self.uri.startswith("sqlite:///"):
-            return self.create_or_continue(op)
+            return self.mlflow.MlflowClient(self.uri)
         store_lock = Path(self.uri.removeprefix("sqlite:///") + ".lock")
         with common.hold_lock(store_lock, "the MLflow store", wait=True):
-            return self.create_or_continue(op)
+            return self.mlflow.MlflowClient(self.uri)
 
-    def create_or_continue(self, op):
-        """Continue the training's run when it resumed and the store has it; else create one."""
+    def start(self, op):
+        """The run's start: the training's run continued if it resumed and the store has it, or a new one."""
         from mlflow.entities import Dataset, DatasetInput, InputTag, Param
         tags = op["tags"]
         if op["continues"] and self.run_id:

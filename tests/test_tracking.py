@@ -556,6 +556,25 @@ def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data
         assert synced_client.get_model_version(REGISTERED, "1").run_id == run.info.run_id
 
 
+CONNECT = ("import sys; from fmnist import tracking; "
+           "tracking.Sender(sys.argv[1]).connect().search_experiments(); print('connected')")
+
+
+def test_senders_making_one_new_local_store_at_once_take_turns(tmp_path):
+    """A client makes a new local store as it is created, and two at once race in MLflow's migrations unless
+    they take turns. Four pairs, each pair on a store of its own, all at once."""
+    senders = []
+    for pair in range(4):
+        (tmp_path / str(pair)).mkdir()
+    for pair, side in itertools.product(range(4), range(2)):
+        env = job_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / str(pair) / 'mlflow.db'}")
+        senders.append(subprocess.Popen([sys.executable, "-c", CONNECT, str(tmp_path / f"{pair}-{side}")],
+                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True))
+    outputs = [sender.communicate(timeout=120)[0] for sender in senders]
+    assert [output.splitlines()[-1:] for output in outputs] == [["connected"]] * 8, outputs
+
+
 def test_two_jobs_creating_one_local_store_at_once_both_end_with_complete_runs(tiny_data, tmp_path):
     """Two trainings started together in one working directory, each with its own output dir and MLflow's
     default ./mlflow.db, which neither finds: MLflow's migrations race, or the file is locked, and the sender
