@@ -5,10 +5,9 @@
     ./run.sh                                                                # msrun, one worker per device
 
 One file for Ascend NPUs (HCCL, float16 under amp O2) and CPU (MindSpore's own collective). Every setting is a
-flag and a variable (--help): above all --epochs, --batch-size (per device), --lr and --output-dir. With the
-defaults, 2 CPU workers reach a test accuracy of 0.8777 in about a minute, and write outputs/summary.json, the
-model, its pictures and an MLflow run. Below, in the order the job runs: the data (once the worker has joined
-msrun), the model, the training as one Model callback, the end; then main(). fmnist/ holds the machinery."""
+flag and a variable (--help): above all --epochs, --batch-size (per device), --lr and --output-dir. A job
+writes outputs/summary.json, the model, its pictures and an MLflow run. Below, in the order the job runs: the
+data, the model, the training as one Model callback, the end; then main(). fmnist/ holds the machinery."""
 
 import copy
 import dataclasses
@@ -167,8 +166,7 @@ class Training(Callback):
         self.eval_set = eval_dataset(splits.test, job.cfg.batch_size, job.collective)
         self.tracker, self.checkpoints, self.resumed = tracking.NullTracker(), None, None
         self.steps = self.resumed_steps = 0  # the clock
-        # The stretches of the training between its starts, this one last: their world sizes may differ.
-        self.parts = []
+        self.parts = []  # checkpoints.Part, this one last
         # Each epoch's figures and the loss curve's (epoch as a fraction, loss) points, with a resume's.
         self.history, self.loss_points = [], []
         # The latest validation's confusion matrix; the steps dynamic loss scaling skipped for overflows.
@@ -417,9 +415,8 @@ def main(argv=None) -> int:
     try:
         job, splits, sources = get_data(job)
         if job.cfg.predict:
-            evaluation = distributed.Evaluation(job.collective, len(data.CLASS_NAMES))
             eval_set = eval_dataset(splits.test, job.cfg.batch_size, job.collective)
-            return serving.predict(job.cfg.predict, eval_set, evaluation, job.collective.is_main)
+            return serving.predict(job.cfg.predict, eval_set, job.collective)
         training = Training(job, splits, startup)
         startup.lap("setup")
         training.resume()
@@ -440,6 +437,11 @@ def main(argv=None) -> int:
         except common.UsageError as exc:
             log.error("%s", exc)
             return exc.status
+        except RuntimeError as exc:
+            if not distributed.peer_lost(exc):
+                raise
+            log.error("another rank of the job is gone (%s); run.sh names it", common.first_line(exc))
+            return 1
         except (Diverged, distributed.Terminated, common.DiskFull) as exc:
             return stop_early(training, exc)
 

@@ -91,7 +91,7 @@ describe() {
   case "$1" in
     -9) echo "was killed by SIGKILL (kill -9, or the out-of-memory killer)" ;;
     -*) echo "was killed by signal ${1#-}" ;;
-    1) echo "exited with status 1: the replicas' weights differ" ;;
+    1) echo "exited with status 1: the replicas' weights differ, or a failure its log names" ;;
     2) echo "exited with status 2: a bad setting or missing data" ;;
     3) echo "exited with status 3: the training diverged" ;;
     4) echo "exited with status 4: a volume it writes to is full" ;;

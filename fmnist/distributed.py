@@ -228,6 +228,12 @@ def replicas_identical(collective, net):
     return bool((fingerprints == fingerprints[0]).all()), fingerprints
 
 
+def peer_lost(exc):
+    """Whether MindSpore's error says that a rank of the job is gone (its node lost, or the process killed):
+    the cluster's state, which each collective checks when it fails."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("The state of the cluster is error")
+
+
 class Terminated(Exception):
     def __init__(self, signum, step):
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")

@@ -38,13 +38,13 @@ def load_model(path):
         raise common.UsageError(f"--predict {path}: cannot load it ({common.first_line(exc)})") from None
 
 
-def predict(path, test_ds, evaluation, is_main):
+def predict(path, test_ds, collective):
     """--predict: a saved model's figures on the test set (each rank its slice), printed by rank 0; exit 0."""
-    net = load_model(path)
+    net, evaluation = load_model(path), distributed.Evaluation(collective, len(data.CLASS_NAMES))
     for images, labels in test_ds.create_tuple_iterator(num_epochs=1):
         evaluation.update(net(images), labels)
     results = evaluation.eval()
-    if is_main:
+    if collective.is_main:
         print(f"{path}: test accuracy {results['accuracy']:.4f}, test loss {results['loss']:.4f} "
               f"on {int(results['confusion'].sum())} images")
     return 0

@@ -227,7 +227,7 @@ def two_hosts():
 
 
 NODE_ADDRESSES = ("10.203.0.1", "10.203.0.2")
-NODE_LOSS_S = 30  # measured: node 0 ends ... s after node 1 is lost
+NODE_LOSS_S = 30  # MS_NODE_TIMEOUT's 5 s, the scheduler's check and the exit (docs/testing.md)
 
 
 def in_namespace(namespace, code, *args):
@@ -269,7 +269,7 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
     assert nodes[0].returncode == 128 + signal.SIGKILL, console[-3000:]
     assert ("run.sh: the job failed: rank 1 stopped answering for 5 s (frozen, stopped, or its node lost), and "
             "msrun ended the job") in console, console[-3000:]
-    assert "Traceback" not in console and "ERROR" not in console, console[-3000:]
+    assert "another rank of the job is gone" in console and "Traceback" not in console, console[-3000:]
     assert failed_after < NODE_LOSS_S, failed_after
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt")) == ["epoch-0001.ckpt"]
 
