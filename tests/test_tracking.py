@@ -563,16 +563,16 @@ CONNECT = ("import sys; from fmnist import tracking; "
 def test_senders_making_one_new_local_store_at_once_take_turns(tmp_path):
     """A client makes a new local store as it is created, and two at once race in MLflow's migrations unless
     they take turns. Four pairs, each pair on a store of its own, all at once."""
-    senders = []
-    for pair in range(4):
+    senders, pairs = [], range(4)
+    for pair in pairs:
         (tmp_path / str(pair)).mkdir()
-    for pair, side in itertools.product(range(4), range(2)):
+    for pair, side in itertools.product(pairs, range(2)):
         env = job_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / str(pair) / 'mlflow.db'}")
         senders.append(subprocess.Popen([sys.executable, "-c", CONNECT, str(tmp_path / f"{pair}-{side}")],
                                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True))
     outputs = [sender.communicate(timeout=120)[0] for sender in senders]
-    assert [output.splitlines()[-1:] for output in outputs] == [["connected"]] * 8, outputs
+    assert [output.splitlines()[-1:] for output in outputs] == [["connected"]] * len(senders), outputs
 
 
 def test_two_jobs_creating_one_local_store_at_once_both_end_with_complete_runs(tiny_data, tmp_path):
