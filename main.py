@@ -29,13 +29,28 @@ from fmnist.common import log
 # --- The job's place in msrun (distributed.join_job) and its data
 
 
-def get_data(job):
-    """The splits on every rank, fetched by one worker per node (nodes need not share a file system), where
-    each file came from, and the job with its settings checked against the data (a default fitted to it)."""
+def read_splits(cfg, checksums):
+    """The splits in --data-dir, verified as they are read, or None if a file is missing or bad. A worker
+    reads them before it joins: init() waits for the last worker anyway, and msrun's scheduler, which reads
+    nothing, is listening by the time the workers arrive."""
+    if distributed.is_scheduler():
+        return None
+    try:
+        return data.load_splits(cfg.data_dir, checksums)
+    except common.UsageError:
+        return None
+
+
+def get_data(job, splits):
+    """The splits on every rank, where each file came from, and the job with its settings checked against the
+    data (a default fitted to it). Where a rank read no verified copy, its node's first worker fetches the
+    files (nodes need not share a file system) while the others wait."""
     cfg, collective = job.cfg, job.collective
-    fetch = functools.partial(data.make_available, cfg, job.checksums, say=log.info)
-    sources = collective.wait_for(fetch if collective.is_local_main else None) or {}
-    splits = data.load_splits(cfg.data_dir)
+    sources = dict.fromkeys(job.checksums, str(cfg.data_dir.resolve()))
+    if collective.all_gather(np.array([splits is None], dtype=np.int32)).any():
+        fetch = functools.partial(data.make_available, cfg, job.checksums, say=log.info)
+        sources = collective.wait_for(fetch if collective.is_local_main else None) or sources
+        splits = data.load_splits(cfg.data_dir, job.checksums)
     sizes = len(splits.train.labels), len(splits.test.labels)
     cfg = settings.check_against_data(cfg, collective.world_size, *sizes)
     return dataclasses.replace(job, cfg=cfg), splits, sources
@@ -44,9 +59,10 @@ def get_data(job):
 # --- The data: the article's transforms, once for each split, and each rank's share of it
 
 
-def model_input(split):
-    """A split as the network reads it: the article's transforms (data.to_model_input), one-hot labels."""
-    return data.Split(data.to_model_input(split.images), data.one_hot(split.labels))
+def model_input(images, labels):
+    """A batch as the network reads it: the article's transforms (data.to_model_input), one-hot labels. Batch
+    by batch, as the datasets draw them: the whole training set in float32 would be 188 MB more per rank."""
+    return data.to_model_input(images), data.one_hot(labels)
 
 
 class Shard:
@@ -56,8 +72,8 @@ class Shard:
     the same samples at each step, and a job resumed `skip` steps into an epoch trains what an unbroken one
     would (docs/data-order.md)."""
 
-    def __init__(self, inputs, global_batch, collective, seed):
-        self.images, self.labels, self.seed = inputs.images, inputs.labels, seed
+    def __init__(self, split, global_batch, collective, seed):
+        self.images, self.labels, self.seed = split.images, split.labels, seed
         self.global_batch, self.rank, self.world_size = global_batch, collective.rank, collective.world_size
         self.epoch = self.skip = 0
 
@@ -78,7 +94,7 @@ class Shard:
         for step in range(self.skip, self.steps_per_epoch):
             start = step * self.global_batch + self.rank * self.batch_size
             batch = order[start:start + self.batch_size]
-            yield self.images[batch], self.labels[batch]
+            yield model_input(self.images[batch], self.labels[batch])
 
     def dataset(self, epoch, skip=0):
         """The batches from `epoch` (from 0) on, `skip` steps into it; with `skip`, of that epoch alone:
@@ -92,9 +108,9 @@ def eval_dataset(test, batch_size, collective):
     """This rank's test samples, every world_size-th from its rank on, in batches. The framework's sampler
     pads shards to equal length by repeating samples, which would count some twice."""
     mine = slice(collective.rank, None, collective.world_size)
-    inputs = model_input(data.Split(test.images[mine], test.labels[mine]))
-    batches = [(inputs.images[i:i + batch_size], inputs.labels[i:i + batch_size])
-               for i in range(0, len(inputs.images), batch_size)]
+    images, labels = test.images[mine], test.labels[mine]
+    batches = [model_input(images[i:i + batch_size], labels[i:i + batch_size])
+               for i in range(0, len(labels), batch_size)]
     return batches_dataset(batches)
 
 
@@ -161,7 +177,7 @@ class Training(Callback):
         super().__init__()
         self.job, self.cfg, self.collective, self.startup = job, job.cfg, job.collective, startup
         self.net, self.model = build_model(job, distributed.Evaluation(job.collective, len(data.CLASS_NAMES)))
-        self.shard = Shard(model_input(splits.train), job.cfg.batch_size * job.collective.world_size,
+        self.shard = Shard(splits.train, job.cfg.batch_size * job.collective.world_size,
                            job.collective, job.cfg.seed)
         self.eval_set = eval_dataset(splits.test, job.cfg.batch_size, job.collective)
         self.tracker, self.checkpoints, self.resumed = tracking.NullTracker(), None, None
@@ -225,7 +241,7 @@ class Training(Callback):
         """The training step compiled before Model.fit, which reuses the graph, so that its cost shows."""
         network, batch = self.model.train_network, self.shard.batch_size
         network.set_train()
-        network.compile(Tensor(self.shard.images[:batch]), Tensor(self.shard.labels[:batch]))
+        network.compile(*map(Tensor, model_input(self.shard.images[:batch], self.shard.labels[:batch])))
 
     def fit(self):
         """Model.fit from where the training is, validating after each epoch: the rest of an interrupted epoch
@@ -407,13 +423,17 @@ def main(argv=None) -> int:
     gc.freeze()
     startup = Startup()
     try:
-        job = distributed.join_job(settings.parse_config(argv))
+        cfg = settings.parse_config(argv)
+        checksums = data.load_checksums(cfg.checksums_file)
+        splits = read_splits(cfg, checksums)
+        startup.lap("data")
+        job = distributed.join_job(cfg, checksums)
     except common.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
     startup.lap("join")
     try:
-        job, splits, sources = get_data(job)
+        job, splits, sources = get_data(job, splits)
         if job.cfg.predict:
             eval_set = eval_dataset(splits.test, job.cfg.batch_size, job.collective)
             return serving.predict(job.cfg.predict, eval_set, job.collective)

@@ -21,7 +21,7 @@ from mindspore import Tensor, ops
 from mindspore.communication import get_group_size, get_rank, init
 from mindspore.train import Metric
 
-from . import common, data, settings
+from . import common, settings
 from .common import log
 
 # oneDNN picks slow convolutions for LeNet's small NCHW float32 shapes on AVX-512 CPUs; its AVX2 kernels are
@@ -88,6 +88,11 @@ def set_up_worker(device, local_rank, local_workers, bind, threads):
     return threads
 
 
+def is_scheduler():
+    """Whether this process is msrun's scheduler, which runs main.py too and stays in init()."""
+    return os.environ.get("MS_ROLE") == "MS_SCHED"
+
+
 def init_distributed():
     """Join the msrun job (HCCL on Ascend, MindSpore's collective on CPU): (rank, local rank, world size), or
     (0, 0, 1) alone. msrun's scheduler process stays in init(): nothing costly comes before."""
@@ -98,7 +103,7 @@ def init_distributed():
     try:
         init()
     except RuntimeError as exc:
-        if os.environ["MS_ROLE"] != "MS_SCHED":
+        if not is_scheduler():
             raise
         # A worker ended the job, and its own log says why: the scheduler ends in one line, no traceback, and
         # at once, as an uncaught error would (a normal exit waits for MindSpore's finalizers for seconds).
@@ -167,7 +172,7 @@ class Job:
                 "loss_scaling": self.loss_scaling}
 
 
-def join_job(cfg):
+def join_job(cfg, checksums):
     """Graph mode on the device, init() of the msrun job, identical seeds, and this worker's share of the CPU.
     msrun's scheduler process stays in init() until the job ends."""
     device = settings.resolve_device(cfg.device)
@@ -183,7 +188,7 @@ def join_job(cfg):
     ms.set_seed(cfg.seed)
     cpu = {**cpu_description(), "onednn_isa_cap": isa_cap, "threads_per_worker": threads}
     lock = common.hold_lock(cfg.output_dir / ".lock", f"--output-dir {cfg.output_dir}") if rank == 0 else None
-    job = Job(cfg, data.load_checksums(cfg.checksums_file), device, amp_level, loss_scaling, cpu,
+    job = Job(cfg, checksums, device, amp_level, loss_scaling, cpu,
               Collective(rank, local_rank, world_size), local_workers, lock)
     # Every rank says who it is: run.sh finds a failed worker's log by the pid msrun reports.
     log.info("rank %d of %d (pid %d), device %s, amp %s, loss scale %s, %d threads on cores %s, oneDNN ISA "

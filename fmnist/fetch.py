@@ -44,9 +44,10 @@ def content(raw, name="IDX data"):
         raise ValueError(f"{name}: corrupt or truncated gzip ({exc})") from None
 
 
-def parse_idx(raw, name="IDX data"):
-    """An IDX file of unsigned bytes (gzipped or not) as an array; ValueError for anything malformed."""
-    raw = content(raw, name)
+def parse_idx(raw, name="IDX data", sha256=None):
+    """An IDX file of unsigned bytes (gzipped or not) as an array, its content's SHA-256 checked when given;
+    ValueError for anything malformed or different."""
+    raw = content(raw, name)  # once: a gzipped file's checksum is its content's
     if len(raw) < 8:
         raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
     magic, ndim = int.from_bytes(raw[:4], "big"), raw[3]
@@ -58,16 +59,9 @@ def parse_idx(raw, name="IDX data"):
     if len(raw) != header + math.prod(shape):
         raise ValueError(f"{name}: header says shape {shape} ({header + math.prod(shape)} bytes) "
                          f"but the file has {len(raw)} bytes")
+    if sha256 and (actual := hashlib.sha256(raw).hexdigest()) != sha256:
+        raise ValueError(f"{name}: SHA-256 of the content is {actual}, expected {sha256}")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
-
-
-def check_file(raw, name, expected_sha256):
-    """ValueError unless `raw` is a well-formed IDX file whose content has the expected checksum."""
-    raw = content(raw, name)  # once: a gzipped file's checksum is its content's
-    parse_idx(raw, name)
-    actual = hashlib.sha256(raw).hexdigest()
-    if actual != expected_sha256:
-        raise ValueError(f"{name}: SHA-256 of the content is {actual}, expected {expected_sha256}")
 
 
 def local_copy(directory, name):
@@ -129,7 +123,7 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
     for source, copy in candidates:
         try:
             raw = copy.read_bytes() if copy else download(source, sources)
-            check_file(raw, f"{name} from {source}", expected)
+            parse_idx(raw, f"{name} from {source}", expected)
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
             continue
@@ -147,11 +141,13 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
 
 def problem_with_copy(data_dir, name, expected):
     """None when data_dir holds a verified copy of `name`; else what is wrong with it ("" if it has none)."""
-    present = local_copy(data_dir, name)
+    if (present := local_copy(data_dir, name)) is None:
+        return ""
     try:
-        return "" if present is None else check_file(present.read_bytes(), str(present), expected)
+        parse_idx(present.read_bytes(), str(present), expected)
     except (ValueError, OSError) as exc:
         return str(exc)
+    return None
 
 
 def ensure_data(data_dir, checksums, sources):
