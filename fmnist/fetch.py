@@ -122,14 +122,15 @@ def fetch_file(name, expected, data_dir, sources, problem=""):
     candidates += [(f"{url.rstrip('/')}/{name}.gz", None) for url in sources.mirrors]
     for source, copy in candidates:
         try:
-            raw = copy.read_bytes() if copy else download(source, sources)
+            raw = content(copy.read_bytes() if copy else download(source, sources), f"{name} from {source}")
             parse_idx(raw, f"{name} from {source}", expected)
         except (ValueError, ConnectionError, OSError) as exc:
             failures.append(str(exc))
             continue
         for bad in (data_dir / name, data_dir / f"{name}.gz"):  # it would shadow the good one
             bad.unlink(missing_ok=True)
-        common.write_atomic(data_dir / (copy.name if copy else f"{name}.gz"), raw)
+        # Kept decompressed: every start reads the files, and would gunzip them again.
+        common.write_atomic(data_dir / name, raw)
         sources.say(f"{name}: verified copy from {source}")
         return source
     tried = ", ".join(map(str, [data_dir, *sources.system_dirs, *sources.mirrors]))
