@@ -26,25 +26,12 @@ from mindspore.train import Callback, Model
 from fmnist import checkpoints, common, data, distributed, model, outputs, serving, settings, tracking
 from fmnist.common import log
 
-# --- The job's place in msrun (distributed.join_job) and its data
-
-
-def read_splits(cfg, checksums):
-    """The splits in --data-dir, verified as they are read, or None if a file is missing or bad. A worker
-    reads them before it joins: init() waits for the last worker anyway, and msrun's scheduler, which reads
-    nothing, is listening by the time the workers arrive."""
-    if distributed.is_scheduler():
-        return None
-    try:
-        return data.load_splits(cfg.data_dir, checksums)
-    except common.UsageError:
-        return None
+# --- The data: on every rank, verified; the article's transforms, batch by batch; each rank's share of it
 
 
 def get_data(job, splits):
     """The splits on every rank, where each file came from, and the job with its settings checked against the
-    data (a default fitted to it). Where a rank read no verified copy, its node's first worker fetches the
-    files (nodes need not share a file system) while the others wait."""
+    data. Where a rank read none, its node's first worker fetches them (nodes need not share a disk)."""
     cfg, collective = job.cfg, job.collective
     sources = dict.fromkeys(job.checksums, str(cfg.data_dir.resolve()))
     if collective.all_gather(np.array([splits is None], dtype=np.int32)).any():
@@ -54,9 +41,6 @@ def get_data(job, splits):
     sizes = len(splits.train.labels), len(splits.test.labels)
     cfg = settings.check_against_data(cfg, collective.world_size, *sizes)
     return dataclasses.replace(job, cfg=cfg), splits, sources
-
-
-# --- The data: the article's transforms, once for each split, and each rank's share of it
 
 
 def model_input(images, labels):
@@ -155,16 +139,6 @@ UNTRAINED_LOSS_MARGIN = 0.98
 
 class Diverged(Exception):
     """The training stopped learning: a non-finite or exploded loss, or no better than chance."""
-
-
-class Startup:
-    """The phases before the first step, each timed as it ends: lap("join") after joining, and so on."""
-
-    def __init__(self):
-        self.started, self.phases = time.perf_counter(), {}
-
-    def lap(self, phase):
-        self.phases[phase] = time.perf_counter() - self.started - sum(self.phases.values())
 
 
 class Training(Callback):
@@ -421,11 +395,13 @@ def main(argv=None) -> int:
     # MindSpore collects garbage before each graph compile: objects frozen here, the imports', are never
     # scanned again, which saves seconds of a short job (docs/performance.md).
     gc.freeze()
-    startup = Startup()
+    startup = common.Startup()
     try:
         cfg = settings.parse_config(argv)
         checksums = data.load_checksums(cfg.checksums_file)
-        splits = read_splits(cfg, checksums)
+        # A worker reads the data before it joins: init() waits for the last worker anyway, and msrun's
+        # scheduler, which skips this, is listening by the time the workers arrive.
+        splits = None if distributed.is_scheduler() else data.load_verified(cfg.data_dir, checksums)
         startup.lap("data")
         job = distributed.join_job(cfg, checksums)
     except common.UsageError as exc:

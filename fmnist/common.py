@@ -1,4 +1,5 @@
-"""What every stage shares: exit codes, the bad-input error, logging, files written whole, the one lock."""
+"""What every stage shares: exit codes, the bad-input error, the start-up clock, logging, files written whole,
+the one lock."""
 
 import contextlib
 import errno
@@ -39,6 +40,16 @@ def duration(seconds):
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+class Startup:
+    """The phases before the first step, each timed as it ends: lap("join") after joining, and so on."""
+
+    def __init__(self):
+        self.started, self.phases = time.perf_counter(), {}
+
+    def lap(self, phase):
+        self.phases[phase] = time.perf_counter() - self.started - sum(self.phases.values())
 
 
 def configure_logging(rank):

@@ -67,6 +67,14 @@ def load_splits(data_dir, checksums=None):
     return Splits(load_split(data_dir, "train", checksums), load_split(data_dir, "test", checksums))
 
 
+def load_verified(data_dir, checksums):
+    """The splits if every file is in data_dir and verifies, else None: the job then fetches them."""
+    try:
+        return load_splits(data_dir, checksums)
+    except common.UsageError:
+        return None
+
+
 def load_split(data_dir, split, checksums):
     paths = {name: fetch.local_copy(data_dir, name) or Path(data_dir, name) for name in FILES[split]}
     try:

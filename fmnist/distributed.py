@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ GRADIENT_FUSION = {"allreduce": {"mode": "size", "config": 32}}  # MB of gradien
 # default every 3 to 5 s, which held each start and each exit for seconds. One beat a second, unless set.
 HEARTBEAT_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 POLL_S = 0.2  # seconds between the small gathers of Collective.wait_for
+SCHEDULER_WAIT_S = 10  # for msrun's scheduler to listen, before init() tries on its own
 
 
 def cap_onednn_isa(environ=os.environ, machine=None):
@@ -93,6 +95,20 @@ def is_scheduler():
     return os.environ.get("MS_ROLE") == "MS_SCHED"
 
 
+def wait_for_scheduler(timeout_s=SCHEDULER_WAIT_S):
+    """Until msrun's scheduler takes connections, or `timeout_s` (then init() waits on its own terms). init()
+    tries again only half a second after a refusal; workers let in together are ready together, and then
+    often miss the 3 s that MindSpore's CPU collective sleeps when a peer's address is not in yet."""
+    host, port = os.environ.get("MS_SCHED_HOST"), os.environ.get("MS_SCHED_PORT")
+    deadline = time.monotonic() + timeout_s
+    while host and port and time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
 def init_distributed():
     """Join the msrun job (HCCL on Ascend, MindSpore's collective on CPU): (rank, local rank, world size), or
     (0, 0, 1) alone. msrun's scheduler process stays in init(): nothing costly comes before."""
@@ -100,6 +116,8 @@ def init_distributed():
         return 0, 0, 1
     if not any(name in os.environ for name in HEARTBEAT_S):  # MindSpore needs lower <= upper: both or neither
         os.environ.update(HEARTBEAT_S)
+    if not is_scheduler():
+        wait_for_scheduler()
     try:
         init()
     except RuntimeError as exc:

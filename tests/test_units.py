@@ -3,6 +3,7 @@
 import gzip
 import os
 import re
+import socket
 import threading
 import time
 import types
@@ -327,7 +328,7 @@ def tiny_training(output_dir, **changes):
     cfg = settings.Config(epochs=1, batch_size=8, log_interval=2, output_dir=output_dir, **changes)
     job = distributed.Job(cfg, {}, "CPU", "O0", "none", {}, distributed.Collective(0, 0, 1), 1, None)
     split = data.Split(*make_split(32, seed=0))
-    training = main.Training(job, data.Splits(split, split), main.Startup())
+    training = main.Training(job, data.Splits(split, split), common.Startup())
     training.resume()
     training.tracker = RecordingTracker()
     return training
@@ -496,3 +497,18 @@ def test_an_experiment_another_job_makes_at_the_same_moment_is_used(tmp_path):
     Client.create_experiment = refuse
     with pytest.raises(MlflowException, match="refused"):
         sender.experiment_id("forbidden")
+
+
+def test_a_worker_waits_for_the_scheduler_to_listen_and_no_longer(monkeypatch):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    monkeypatch.setenv("MS_SCHED_HOST", "127.0.0.1")
+    monkeypatch.setenv("MS_SCHED_PORT", str(server.getsockname()[1]))
+    threading.Timer(0.5, server.listen).start()
+    started = time.monotonic()
+    distributed.wait_for_scheduler(timeout_s=10)
+    assert 0.5 <= time.monotonic() - started < 1.5
+    server.close()
+    started = time.monotonic()
+    distributed.wait_for_scheduler(timeout_s=0.5)  # nobody listens: init() takes over after the time-out
+    assert 0.5 <= time.monotonic() - started < 1.5
