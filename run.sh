@@ -36,19 +36,22 @@ export GLOG_v=${GLOG_v:-3} MS_NODE_TIMEOUT=${MS_NODE_TIMEOUT:-5}
 # MindCluster's ascend-operator (AscendJob) gives the container named ascend MindSpore's own variables. Its
 # Scheduler pod is node 0 and trains when it holds NPUs (NPU_POD); without, it runs msrun's scheduler alone.
 if [[ -n "${MS_SCHED_HOST:-}" && -n "${MS_LOCAL_WORKER:-}" ]]; then
-  : "${WORKERS:=$MS_LOCAL_WORKER}" "${NODES:=$((MS_WORKER_NUM / MS_LOCAL_WORKER))}" "${NODE_RANK:=$MS_NODE_RANK}"
+  : "${WORKERS:=$MS_LOCAL_WORKER}" "${NODES:=$((MS_WORKER_NUM / MS_LOCAL_WORKER))}"
+  : "${NODE_RANK:=$MS_NODE_RANK}"
   : "${MASTER_ADDR:=$MS_SCHED_HOST}" "${MASTER_PORT:=$MS_SCHED_PORT}"
   [[ "${MS_ROLE:-}" != MS_SCHED || "${NPU_POD:-}" == true ]] || local_workers=0
 fi
 : "${NODES:=1}" "${NODE_RANK:=${JOB_COMPLETION_INDEX:-${VC_TASK_INDEX:-0}}}" "${CLUSTER_TIMEOUT:=600}"
-if [[ -z "${WORKERS:-}" ]]; then  # one per visible Ascend device (the device plugin's or the runtime's), else 2
+# One worker per visible Ascend device (the device plugin's or the runtime's), else 2.
+if [[ -z "${WORKERS:-}" ]]; then
   visible=${ASCEND_RT_VISIBLE_DEVICES:-${ASCEND_VISIBLE_DEVICES:-}}
-  WORKERS=$(if [[ -n "$visible" ]]; then tr ',' '\n' <<<"$visible"; else find /dev -maxdepth 1 -name 'davinci[0-9]*'; fi |
-    grep -c .) || WORKERS=2
+  WORKERS=$(if [[ -n "$visible" ]]; then tr ',' '\n' <<<"$visible"
+            else find /dev -maxdepth 1 -name 'davinci[0-9]*'; fi | grep -c .) || WORKERS=2
 fi
 if [[ -z "${MASTER_PORT:-}" ]]; then
   MASTER_PORT=8118
-  ((NODES > 1)) || MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  ((NODES > 1)) ||
+    MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 fi
 for var in WORKERS NODES NODE_RANK MASTER_PORT CLUSTER_TIMEOUT MS_NODE_TIMEOUT; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
@@ -59,20 +62,22 @@ done
 : "${MASTER_ADDR:=127.0.0.1}"
 export LOCAL_WORKERS=$WORKERS NODE_RANK  # main.py shares this node's cores among its workers, names its node
 
-# The job's own checks before msrun starts: a bad setting ends here in one line, exit 2. It prints the output dir.
+# The job's own checks before msrun: a bad setting ends here, in one line, exit 2; it prints the output dir.
 case " $* " in *" -h "* | *" --help "*) exec python "$here/main.py" --help ;; esac
 : "${local_workers:=$WORKERS}"
 if ((local_workers)); then
-  output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m fmnist.settings "$((WORKERS * NODES))" "$@")
+  output_dir=$(PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" \
+    python -m fmnist.settings "$((WORKERS * NODES))" "$@")
   LOG_DIR=${LOG_DIR:-$output_dir/logs$( ((NODES == 1)) || echo "/node$NODE_RANK")}  # msrun names logs by rank
 fi
 LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/msrun-scheduler}  # the scheduler alone writes no results
-launcher=(msrun "--worker_num=$((WORKERS * NODES))" "--local_worker_num=$local_workers" "--master_addr=$MASTER_ADDR"
-  "--master_port=$MASTER_PORT" "--node_rank=$NODE_RANK" "--log_dir=$LOG_DIR"
+launcher=(msrun "--worker_num=$((WORKERS * NODES))" "--local_worker_num=$local_workers"
+  "--master_addr=$MASTER_ADDR" "--master_port=$MASTER_PORT" "--node_rank=$NODE_RANK" "--log_dir=$LOG_DIR"
   "--cluster_time_out=$CLUSTER_TIMEOUT" --join=True python "$here/main.py" "$@")
 [[ "${DRY_RUN:-0}" != 1 ]] || { printf '%q ' "${launcher[@]}"; echo; exit 0; }
 mkdir -p "$LOG_DIR"
-echo "run.sh: node $NODE_RANK of $NODES, $local_workers worker(s), scheduler $MASTER_ADDR:$MASTER_PORT, logs in $LOG_DIR"
+echo "run.sh: node $NODE_RANK of $NODES, $local_workers worker(s), scheduler $MASTER_ADDR:$MASTER_PORT," \
+  "logs in $LOG_DIR"
 
 stop() {
   # msrun SIGKILLs its workers on SIGINT and dies on SIGTERM leaving them running: the workers get SIGTERM
@@ -100,7 +105,7 @@ describe() {
 }
 
 report_failure() {
-  # msrun's log names the first failed worker's pid (-9 is a signal), found in its log; the scheduler, a frozen one.
+  # msrun's log names the first failed worker's pid (-9: a signal); the scheduler's log, a frozen rank.
   local pid="" code=$status log="" rank
   read -r pid code < <(grep -m1 -oE 'Worker process [0-9]+ exit with exception\. Error code: -?[0-9]+' \
     "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || code=$status
@@ -108,8 +113,8 @@ report_failure() {
     grep -m1 -oE 'worker [0-9]+ is the first one timed out' | grep -oE '[0-9]+') || true
   if [[ -n "$rank" && ! "$code" =~ ^(-9|2|3|4)$ ]]; then
     log=$LOG_DIR/worker_$rank.log code=-9
-    echo "run.sh: the job failed: rank $rank stopped answering for $MS_NODE_TIMEOUT s (frozen, stopped, or its" \
-      "node lost), and msrun ended the job" >&2
+    echo "run.sh: the job failed: rank $rank stopped answering for $MS_NODE_TIMEOUT s (frozen, stopped, or" \
+      "its node lost), and msrun ended the job" >&2
   elif [[ -n "$pid" ]]; then
     log=$(grep -l "(pid $pid)" "$LOG_DIR"/worker_*.log 2>/dev/null | head -n1) || true
     echo "run.sh: the job failed: ${log:+${log##*/}, }process $pid $(describe "$code")" >&2
@@ -127,19 +132,21 @@ report_failure() {
 stop_status=0 status=0
 trap 'stop 143' TERM
 trap 'stop 130' INT
-# msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone. Its stdout (the workers' logs)
-# goes to the console without INFO lines or MindSpore's cluster messages (the logs keep them); its stderr (its
-# traceback, which report_failure says better) to a file.
+# msrun in a session of its own, so that a terminal's Ctrl-C reaches run.sh alone. Its stdout (the workers'
+# logs) goes to the console without INFO lines or MindSpore's cluster messages (the logs keep them); its
+# stderr (its traceback, which report_failure says better) to a file.
 : >"$LOG_DIR/msrun.log"
 # shellcheck disable=SC2094  # both append to msrun.log; nothing reads it meanwhile
 setsid "${launcher[@]}" 2>>"$LOG_DIR/msrun.log" \
-  > >(trap '' INT; grep --line-buffered -Ev '^\[INFO\] |^\[(ERROR|WARNING)\] DISTRIBUTED' | tee -ai "$LOG_DIR/msrun.log") &
+  > >(trap '' INT; grep --line-buffered -Ev '^\[INFO\] |^\[(ERROR|WARNING)\] DISTRIBUTED' |
+       tee -ai "$LOG_DIR/msrun.log") &
 msrun_pid=$!
 until wait "$msrun_pid" && status=0; do  # a trapped signal ends `wait` early, with a status over 128
   status=$?
   kill -0 "$msrun_pid" 2>/dev/null || break
 done
-if ((stop_status && status)); then  # a job that finished all the same (a signal as it wrote its results) is done
+# A job that finished all the same (a signal came as it wrote its results) is done.
+if ((stop_status && status)); then
   echo "run.sh: stopped; run the same command again to resume from the newest checkpoint" >&2
   exit "$stop_status"
 fi
