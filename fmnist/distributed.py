@@ -99,9 +99,9 @@ def wait_for_scheduler(timeout_s=SCHEDULER_WAIT_S):
     """Until msrun's scheduler takes connections, or `timeout_s` (then init() waits on its own terms). init()
     tries again only half a second after a refusal; workers let in together are ready together, and then
     often miss the 3 s that MindSpore's CPU collective sleeps when a peer's address is not in yet."""
-    host, port = os.environ.get("MS_SCHED_HOST"), os.environ.get("MS_SCHED_PORT")
+    host, port = os.environ.get("MS_SCHED_HOST"), os.environ.get("MS_SCHED_PORT", "")
     deadline = time.monotonic() + timeout_s
-    while host and port and time.monotonic() < deadline:
+    while host and port.isdigit() and time.monotonic() < deadline:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()
             return
