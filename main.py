@@ -398,10 +398,12 @@ def main(argv=None) -> int:
     startup = common.Startup()
     try:
         cfg = settings.parse_config(argv)
-        checksums = data.load_checksums(cfg.checksums_file)
         # A worker reads the data before it joins: init() waits for the last worker anyway, and msrun's
-        # scheduler, which skips this, is listening by the time the workers arrive.
-        splits = None if distributed.is_scheduler() else data.load_verified(cfg.data_dir, checksums)
+        # scheduler, which reads nothing (its pod may have no data), is listening by the time they arrive.
+        checksums = splits = None
+        if not distributed.is_scheduler():
+            checksums = data.load_checksums(cfg.checksums_file)
+            splits = data.load_verified(cfg.data_dir, checksums)
         startup.lap("data")
         job = distributed.join_job(cfg, checksums)
     except common.UsageError as exc:

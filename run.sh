@@ -108,7 +108,9 @@ report_failure() {
   # msrun's log names the first failed worker's pid (-9: a signal); the scheduler's log, a frozen rank.
   local pid="" code=$status log="" rank
   read -r pid code < <(grep -m1 -oE 'Worker process [0-9]+ exit with exception\. Error code: -?[0-9]+' \
-    "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || code=$status
+    "$LOG_DIR/msrun.log" | grep -oE -- '-?[0-9]+' | paste -sd' ') || true
+  # No worker named (a node of msrun's scheduler alone): msrun's own status.
+  code=${code:-$status}
   rank=$(cat "$LOG_DIR/msrun.log" "$LOG_DIR/scheduler.log" 2>/dev/null |
     grep -m1 -oE 'worker [0-9]+ is the first one timed out' | grep -oE '[0-9]+') || true
   if [[ -n "$rank" && ! "$code" =~ ^(-9|2|3|4)$ ]]; then
