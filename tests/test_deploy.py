@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fmnist import common, tracking
-from conftest import ROOT, read_summary, rendered, run_sh, tiny_args
+from conftest import ROOT, free_port, read_summary, rendered, run_sh, tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernetes-validate come from PyPI
@@ -197,6 +197,18 @@ def test_run_sh_failure_names_the_worker_and_shows_its_log(tiny_data, tmp_path):
     assert "the last lines of worker_0.log:" in result.stderr
     assert "cannot obtain train-images-idx3-ubyte" in result.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_node_of_the_scheduler_alone_reads_no_data_and_reports_msruns_own_failure(tmp_path):
+    """An AscendJob's Scheduler pod (msrun's scheduler, no workers, no data volume) whose workers never come:
+    the scheduler ends in one line after CLUSTER_TIMEOUT, and run.sh exits with msrun's status."""
+    env = {"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(free_port()), "MS_LOCAL_WORKER": "1",
+           "MS_WORKER_NUM": "1", "MS_NODE_RANK": "0", "MS_ROLE": "MS_SCHED", "CLUSTER_TIMEOUT": "3"}
+    result = run_sh(tmp_path, ["--checksums-file", "/no/such/CHECKSUMS", "--data-dir", "/no/such/data"], **env)
+    assert result.returncode == 1, result.console[-3000:]
+    assert "msrun's scheduler: the job ended early:" in result.console
+    assert re.search(r"run.sh: all logs are in \S+/msrun-scheduler$", result.console.rstrip()), result.console
+    assert "the job failed (msrun exit status 1)" in result.console and "Traceback" not in result.console
 
 
 @pytest.mark.parametrize("env, message", [
