@@ -16,7 +16,8 @@
 #   GLOG_v           MindSpore's C++ log level (default 3: errors only)
 #   DRY_RUN          1: print the msrun command and exit;  ASCEND_ENV: CANN's environment script, if present
 #
-# Exit status: 0, or the failing worker's own (docs/operations.md); 143 or 130 after SIGTERM or SIGINT.
+# Exit status: 0, or the failing worker's own, else msrun's (docs/operations.md); 143 or 130 after SIGTERM
+# or SIGINT.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
