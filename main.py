@@ -37,7 +37,9 @@ def get_data(job, splits):
     if collective.all_gather(np.array([splits is None], dtype=np.int32)).any():
         fetch = functools.partial(data.make_available, cfg, job.checksums, say=log.info)
         sources = collective.wait_for(fetch if collective.is_local_main else None) or sources
-        splits = data.load_splits(cfg.data_dir, job.checksums)
+        # A rank that read a verified copy before joining has the fetched content already.
+        if splits is None:
+            splits = data.load_splits(cfg.data_dir, job.checksums)
     sizes = len(splits.train.labels), len(splits.test.labels)
     cfg = settings.check_against_data(cfg, collective.world_size, *sizes)
     return dataclasses.replace(job, cfg=cfg), splits, sources
