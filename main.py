@@ -438,9 +438,9 @@ def main(argv=None) -> int:
             log.error("%s", exc)
             return exc.status
         except RuntimeError as exc:
-            if not distributed.peer_lost(exc):
+            if not (lost := distributed.peer_lost(exc)):
                 raise
-            log.error("another rank of the job is gone (%s); run.sh names it", common.first_line(exc))
+            log.error("another rank of the job is gone (%s); run.sh names it", lost)
             return 1
         except (Diverged, distributed.Terminated, common.DiskFull) as exc:
             return stop_early(training, exc)

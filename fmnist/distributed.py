@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import socket
 import sys
@@ -251,10 +252,16 @@ def replicas_identical(collective, net):
     return bool((fingerprints == fingerprints[0]).all()), fingerprints
 
 
+# MindSpore's words for a rank gone (its node lost, or its process killed): the cluster's state, which a
+# collective checks when a peer stops answering, or the collective's own failure when its connection breaks.
+PEER_LOST = re.compile(r"The state of the cluster is error[^\n]*"
+                       r"|Launch kernel failed[^\n]*?(AllReduce|AllGather|Broadcast|ReduceScatter)[\w-]*")
+
+
 def peer_lost(exc):
-    """Whether MindSpore's error says that a rank of the job is gone (its node lost, or the process killed):
-    the cluster's state, which each collective checks when it fails."""
-    return isinstance(exc, RuntimeError) and str(exc).startswith("The state of the cluster is error")
+    """The line of MindSpore's error that says a rank of the job is gone, or None."""
+    match = PEER_LOST.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    return match and match[0]
 
 
 class Terminated(Exception):

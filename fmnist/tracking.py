@@ -278,10 +278,15 @@ class Tracker:
         self.starting.join()
         if self.start_error:
             raise self.start_error
+        def waiting():
+            return (self.online and self.sender.offset < self.started_at and not self.sender.failures
+                    and self.thread.is_alive())
         deadline = time.monotonic() + START_WAIT_S
-        while (self.online and self.sender.offset < self.started_at and not self.sender.failures
-               and self.thread.is_alive() and time.monotonic() < deadline):
+        while waiting() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if waiting():
+            log.warning("MLflow: %s has not taken the run's start within %d s; training goes on, the journal "
+                        "keeps everything for it", self.sender.uri, START_WAIT_S)
         if self.online and self.sender.refused:
             self.system_stopped.set()
             self.journal.rollback()

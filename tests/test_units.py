@@ -512,3 +512,18 @@ def test_a_worker_waits_for_the_scheduler_to_listen_and_no_longer(monkeypatch):
     started = time.monotonic()
     distributed.wait_for_scheduler(timeout_s=0.5)  # nobody listens: init() takes over after the time-out
     assert 0.5 <= time.monotonic() - started < 1.5
+
+
+@pytest.mark.parametrize("message, lost", [
+    # A collective that timed out on a silent peer, and one whose connection to the peer broke first (both
+    # seen from the two-node test's surviving rank).
+    ("The state of the cluster is error, total nodes num: 3, failed nodes num: 1\n\n- C++ Call Stack:",
+     "The state of the cluster is error, total nodes num: 3, failed nodes num: 1"),
+    ("Launch kernel failed: Default/AllReduce-op0\n\n----\n- The Function Call Stack:",
+     "Launch kernel failed: Default/AllReduce-op0"),
+    ("Launch kernel failed: Default/Conv2D-op3\n\nAllReduce", None),
+    ("Out of memory", None),
+])
+def test_a_peer_gone_is_told_from_other_runtime_errors(message, lost):
+    assert distributed.peer_lost(RuntimeError(message)) == lost
+    assert distributed.peer_lost(ValueError(message)) is None
