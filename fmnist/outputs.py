@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import mindspore as ms
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
 from . import checkpoints, common, data, distributed, model, serving
 from .common import log
@@ -32,7 +32,9 @@ def report(training, splits):
     if len(history) > cfg.epochs:
         log.warning("the output directory holds a model of %d epochs, more than --epochs %d: it is what this "
                     "job reports and writes", len(history), cfg.epochs)
-    precision = mixed_precision(training.model.train_network, training.net, splits.test.images[:8])
+    # The MLflow model's input example, what the network predicts for it, and what amp did to it.
+    example = splits.test.images[:4]
+    logits, precision = probe(training.model.train_network, training.net, example)
     resumed_at = checkpoints.Position.after(training.resumed_steps, training.steps_per_epoch)
     summary = {
         **job.resolved, **precision, "cpu": job.cpu,
@@ -52,9 +54,12 @@ def report(training, splits):
         "peak_rss_mb_per_rank": peak_rss_mb.round(1).tolist(), "epoch_history": history,
     }
     write_all(training, splits, summary, confusion)
-    training.tracker.log_metrics({key: summary[key] for key in ("wall_s", "test_accuracy", "test_loss")},
-                                 step=len(history))
-    training.tracker.finish("FINISHED" if identical else "FAILED")
+    tracker = training.tracker
+    tracker.log_model(cfg.output_dir / "model.mindir", example, serving.prediction_frame(logits),
+                      cfg.register_model, summary["test_accuracy"])
+    tracker.log_metrics({key: summary[key] for key in ("wall_s", "test_accuracy", "test_loss")},
+                        step=len(history))
+    tracker.finish("FINISHED" if identical else "FAILED")
     log.info("test accuracy %.4f, test loss %.4f, %s samples/s, wall %.1f s -> %s", summary["test_accuracy"],
              summary["test_loss"], f"{summary['train_samples_per_s']:,.0f}", summary["wall_s"],
              cfg.output_dir / "summary.json")
@@ -65,8 +70,8 @@ def report(training, splits):
 
 
 def write_all(training, splits, summary, confusion):
-    """Every output into the output dir, each logged to the run as it is written; then the MLflow model."""
-    net, cfg, tracker = training.net, training.cfg, training.tracker
+    """Every output into the output dir, each logged to the run as it is written."""
+    net, cfg = training.net, training.cfg
     writers = {
         "samples.png": lambda path: draw(sample_grid, path, splits.train, cfg.seed),
         "model.ckpt": lambda path: checkpoints.save_checkpoint(net, path),
@@ -77,24 +82,36 @@ def write_all(training, splits, summary, confusion):
     }
     for name, write in writers.items():
         write(cfg.output_dir / name)
-        tracker.log_artifact(cfg.output_dir / name)
-    example = splits.test.images[:4]  # the MLflow model's input example, and what it predicts for it
-    predictions = serving.prediction_frame(net(Tensor(data.to_model_input(example))).asnumpy())
-    tracker.log_model(cfg.output_dir / "model.mindir", example, predictions, cfg.register_model,
-                      summary["test_accuracy"])
+        training.tracker.log_artifact(cfg.output_dir / name)
 
 
-def mixed_precision(train_step, net, images):
-    """What amp and loss scaling do in the train step MindSpore built: features_dtype, the dtype the first
-    layers compute in (float16 under O2 and O3); amp_logit_error, the largest change of its logits from a
-    float32 copy's; step_loss_scale, its backward pass's factor."""
-    images, float32_net = Tensor(data.to_model_input(images)), model.build_network(len(data.CLASS_NAMES))
+class Probe(nn.Cell):
+    """The trained network, the network as amp rebuilt it for the train step, a float32 copy and the first
+    layer, on one batch: one graph to compile at the job's end, where four took a second."""
+
+    def __init__(self, net, amp_forward, float32_net):
+        # Without a prefix: the cells' parameters keep their names, which the checkpoint saved next holds.
+        super().__init__(auto_prefix=False)
+        self.net, self.amp_forward, self.float32_net = net, amp_forward, float32_net
+        self.first = next(iter(net.cells()))
+
+    def construct(self, images):
+        return self.net(images), self.amp_forward(images), self.float32_net(images), self.first(images)
+
+
+def probe(train_step, net, images):
+    """The network's logits for `images`, and what amp and loss scaling do in the train step MindSpore
+    built: features_dtype, the dtype the first layers compute in (float16 under O2 and O3); amp_logit_error,
+    the largest change of its logits from a float32 copy's; step_loss_scale, its backward pass's factor."""
+    float32_net = model.build_network(len(data.CLASS_NAMES))
     ms.load_param_into_net(float32_net, net.parameters_dict())
-    amp_forward = train_step.network._backbone  # the network as amp rebuilt it
+    # train_step.network._backbone is the network as amp rebuilt it.
+    logits, amp_logits, float32_logits, features = Probe(net, train_step.network._backbone, float32_net)(
+        Tensor(data.to_model_input(images)))
     scale = train_step.scale_sense.asnumpy() if hasattr(train_step, "scale_sense") else train_step.sens
-    logit_error = np.abs(amp_forward(images).asnumpy() - float32_net(images).asnumpy()).max()
-    return {"features_dtype": str(next(iter(net.cells()))(images[:2]).dtype),
-            "amp_logit_error": float(logit_error), "step_loss_scale": float(scale)}
+    logit_error = np.abs(amp_logits.asnumpy() - float32_logits.asnumpy()).max()
+    return logits.asnumpy(), {"features_dtype": str(features.dtype), "amp_logit_error": float(logit_error),
+                              "step_loss_scale": float(scale)}
 
 
 def draw(picture, path, *args):
