@@ -18,10 +18,10 @@ IMAGE_TOOLS := podman runc netavark aardvark-dns iptables catatonit mmdebstrap
 run: $(VENV)/.runtime system-data
 	PATH="$(BIN):$$PATH" ./run.sh $(ARGS)
 
-# Four tests at a time: the suite waits for msrun's starts and heartbeats and for servers, and four keep both
-# cores busy (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
+# Three tests at a time: fewer, and the suite waits for msrun's starts and heartbeats and for servers; three keep
+# both cores busy (docs/testing.md). loadgroup keeps the tests of a shared job on one worker.
 test: $(VENV)/.dev system-data
-	PATH="$(BIN):$$PATH" python -m pytest -n 4 --dist loadgroup -m "not image" $(PYTEST_ARGS)
+	PATH="$(BIN):$$PATH" python -m pytest -n 3 --dist loadgroup -m "not image" $(PYTEST_ARGS)
 
 # IMAGE_TESTS=required: a machine that cannot run them fails them instead of skipping them.
 test-image: $(VENV)/.dev image-tools
