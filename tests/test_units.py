@@ -504,8 +504,9 @@ def test_a_worker_waits_for_the_scheduler_to_listen_and_no_longer(monkeypatch):
     server.bind(("127.0.0.1", 0))
     monkeypatch.setenv("MS_SCHED_HOST", "127.0.0.1")
     monkeypatch.setenv("MS_SCHED_PORT", str(server.getsockname()[1]))
-    threading.Timer(0.5, server.listen).start()
+    # The clock starts before the timer does, so that the wait measured cannot be shorter than the timer's.
     started = time.monotonic()
+    threading.Timer(0.5, server.listen).start()
     distributed.wait_for_scheduler(timeout_s=10)
     assert 0.5 <= time.monotonic() - started < 1.5
     server.close()
