@@ -87,7 +87,7 @@ def write_all(training, splits, summary, confusion):
 
 class Probe(nn.Cell):
     """The trained network, the network as amp rebuilt it for the train step, a float32 copy and the first
-    layer, on one batch: one graph to compile at the job's end, where four took a second."""
+    layer, on one batch: one graph to compile at the job's end instead of four."""
 
     def __init__(self, net, amp_forward, float32_net):
         # Without a prefix: the cells' parameters keep their names, which the checkpoint saved next holds.
