@@ -47,7 +47,8 @@ def content(raw, name="IDX data"):
 def parse_idx(raw, name="IDX data", sha256=None):
     """An IDX file of unsigned bytes (gzipped or not) as an array, its content's SHA-256 checked when given;
     ValueError for anything malformed or different."""
-    raw = content(raw, name)  # once: a gzipped file's checksum is its content's
+    # The checksum is the content's, so a gzipped copy and a decompressed one verify alike.
+    raw = content(raw, name)
     if len(raw) < 8:
         raise ValueError(f"{name}: {len(raw)} bytes is too short for an IDX header")
     magic, ndim = int.from_bytes(raw[:4], "big"), raw[3]
