@@ -565,8 +565,9 @@ CONNECT = ("import sys; from fmnist import tracking; "
 
 def test_senders_making_one_new_local_store_at_once_take_turns(tmp_path):
     """A client makes a new local store as it is created, and two at once race in MLflow's migrations unless
-    they take turns. Four pairs, each pair on a store of its own, all at once."""
-    senders, pairs = [], range(4)
+    they take turns. Two pairs, each pair on a store of its own, all at once: without the turns, one pair alone
+    failed 4 times in 4."""
+    senders, pairs = [], range(2)
     for pair in pairs:
         (tmp_path / str(pair)).mkdir()
     for pair, side in itertools.product(pairs, range(2)):
