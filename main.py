@@ -287,26 +287,26 @@ class Training(Callback):
                                 f"{EXPLODED} times the {self.chance_loss:.2f} of an untrained network")
         if stop_signals.any():
             self.stop_after_epoch = int(stop_signals.max())
-            # At an epoch's last step the stop waits for the epoch's end, whose validation it checkpoints.
-            if not epoch_ends:
-                raise distributed.Terminated(self.stop_after_epoch, self.steps)
         now = time.perf_counter()
         rate = self._interval_steps * self.global_batch / (now - self._interval_start)
         self._interval_start, self._interval_steps = now, 0
-        if not self.collective.is_main:
-            return
-        left = [common.duration(steps * self.global_batch / rate) for steps in
-                (self.steps_per_epoch - step, self.cfg.epochs * self.steps_per_epoch - self.steps)]
-        log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s | epoch ends in %s, training in %s",
-                 epoch, self.cfg.epochs, step, self.steps_per_epoch, loss, f"{rate:,.0f}", *left)
-        metrics = {"train_loss": loss, "train_samples_per_s": rate,
-                   **{f"train_loss_rank{rank}": value for rank, value in enumerate(per_rank)}}
-        if self._loss_scale is not None:
-            self.skipped_steps += int(self._overflows.asnumpy())
-            metrics.update(loss_scale=self._loss_scale.asnumpy(), skipped_steps=self.skipped_steps)
-            self._overflows = None
-        self.tracker.log_metrics(metrics, step=self.steps)
-        self.loss_points.append((self.steps / self.steps_per_epoch, float(loss)))
+        if self.collective.is_main:
+            left = [common.duration(steps * self.global_batch / rate) for steps in
+                    (self.steps_per_epoch - step, self.cfg.epochs * self.steps_per_epoch - self.steps)]
+            log.info("epoch %d/%d | step %d/%d | loss %.4f | %s samples/s | epoch ends in %s, training in %s",
+                     epoch, self.cfg.epochs, step, self.steps_per_epoch, loss, f"{rate:,.0f}", *left)
+            metrics = {"train_loss": loss, "train_samples_per_s": rate,
+                       **{f"train_loss_rank{rank}": value for rank, value in enumerate(per_rank)}}
+            if self._loss_scale is not None:
+                self.skipped_steps += int(self._overflows.asnumpy())
+                metrics.update(loss_scale=self._loss_scale.asnumpy(), skipped_steps=self.skipped_steps)
+                self._overflows = None
+            self.tracker.log_metrics(metrics, step=self.steps)
+            self.loss_points.append((self.steps / self.steps_per_epoch, float(loss)))
+        # After the interval's figures, which the stop's checkpoint keeps; at an epoch's last step the stop
+        # waits for the epoch's end, whose validation it checkpoints.
+        if stop_signals.any() and not epoch_ends:
+            raise distributed.Terminated(self.stop_after_epoch, self.steps)
 
     def on_eval_begin(self, run_context):
         self._eval_start = time.perf_counter()

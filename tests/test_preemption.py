@@ -107,3 +107,6 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     # From the stopped job's last step to the first new step: at least the gap between the stop and the rerun.
     assert metrics["restart_total_s"] >= rerun_at - stopped_at >= 2
     assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]
+    if how == "sigterm":  # each interval's loss once, the stop's own included: the run's history has no gap
+        steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
+        assert steps == list(range(8, 2 * 256 + 1, 8)), steps
