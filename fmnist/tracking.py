@@ -54,13 +54,34 @@ class Journal:
         self.size_before = None  # this process's first line's offset, for a rollback
 
     def append(self, op, **fields):
-        line = json.dumps({"op": op, **fields}) + "\n"
-        with self.appended, common.catch_full_disk(self.path):
+        """One line, whole or not at all: a full volume's part of it is taken back."""
+        line = (json.dumps({"op": op, **fields}) + "\n").encode()
+        # Unbuffered, so that nothing of a refused write is left to flush at the close.
+        with self.appended, common.catch_full_disk(self.path), open(self.path, "a+b", buffering=0) as out:
             if self.size_before is None:
-                self.size_before = self.path.stat().st_size if self.path.exists() else 0
-            with open(self.path, "a", encoding="utf-8") as out:
-                out.write(line)
+                self.size_before = self.drop_torn_line(out)
+            end, rest = out.seek(0, os.SEEK_END), memoryview(line)
+            try:
+                while rest:
+                    rest = rest[out.write(rest):]
+            except OSError:
+                out.truncate(end)
+                raise
             self.appended.notify_all()
+
+    def drop_torn_line(self, out):
+        """The journal's size without a last line a killed job left cut short: a line appended after it would
+        join it into one that no JSON reader takes."""
+        size = out.seek(0, os.SEEK_END)
+        out.seek(max(size - 1, 0))
+        if out.read(1) in (b"", b"\n"):
+            return size
+        out.seek(0)
+        whole = out.read().rfind(b"\n") + 1
+        out.truncate(whole)
+        log.warning("MLflow: the journal's last line was cut short (a job killed while writing it); its %d "
+                    "bytes dropped", size - whole)
+        return whole
 
     def rollback(self):
         """Remove what this process appended."""

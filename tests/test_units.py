@@ -418,6 +418,34 @@ def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
             saver.mark(1)
 
 
+def test_a_journal_line_cut_short_is_dropped_before_the_next(tmp_path, caplog):
+    """A job killed while writing a line leaves part of it: the next job's first line would join it into one
+    that no reader takes. It is dropped, with one WARNING, and the whole lines before it stay."""
+    path = tmp_path / tracking.JOURNAL
+    tracking.Journal(path).append("metrics", step=1, timestamp=0, values={"train_loss": 1.0})
+    with open(path, "ab") as out:
+        out.write(b'{"op": "log_model", "mindir": "/x/mod')
+    with caplog.at_level("WARNING", logger=common.log.name):
+        tracking.Journal(path).append("end", status="FINISHED")
+    assert [op["op"] for _, op in tracking.Journal(path).read_from(0)] == ["metrics", "end"]
+    assert [record.getMessage() for record in caplog.records] == [
+        "MLflow: the journal's last line was cut short (a job killed while writing it); its 37 bytes dropped"]
+
+
+def test_a_journal_line_a_full_volume_refuses_leaves_nothing_of_it(tmp_path):
+    with small_volume(tmp_path / "volume", "64k") as volume:
+        journal = tracking.Journal(volume / tracking.JOURNAL)
+        journal.append("metrics", step=1, timestamp=0, values={"train_loss": 1.0})
+        before = journal.path.read_bytes()
+        with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
+            while True:
+                filler.write(b"\0" * 1024)
+        # Larger than what a page of the tmpfs takes: some of it could be written, but none of it stays.
+        with pytest.raises(common.DiskFull):
+            journal.append("artifact", path="/x" * 10_000)
+        assert journal.path.read_bytes() == before
+
+
 def test_a_line_mlflow_does_not_take_waits_with_all_after_it(tmp_path, monkeypatch, caplog):
     """A 403 on metric points (the run's permissions changed mid-run, say) is neither transient nor a refused
     start: one WARNING naming sync, nothing retried, nothing skipped, the position before that line."""
