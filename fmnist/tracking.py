@@ -83,6 +83,16 @@ class Journal:
                     "bytes dropped", size - whole)
         return whole
 
+    def last_steps(self):
+        """Each metric's newest step since the training's first start: what a stopped job journaled."""
+        steps = {}
+        for _, op in self.read_from(0):
+            if op["op"] == "start" and not op["continues"]:
+                steps = {}
+            elif op["op"] == "metrics":
+                steps.update({key: max(op["step"], steps.get(key, -1)) for key in op["values"]})
+        return steps
+
     def rollback(self):
         """Remove what this process appended."""
         if self.size_before is not None:
@@ -261,6 +271,7 @@ class Tracker:
         self.starting, self.start_error, self.started_at = None, None, 0
         # Metric points logged before the start line is journaled wait here, to follow it in the journal.
         self.journaling, self.early_points = threading.Lock(), []
+        self.journaled = {}  # on a resume, each metric's newest step in the journal
 
     @property
     def run_id(self):
@@ -279,11 +290,12 @@ class Tracker:
             import mlflow
             params = {key: str(value) for key, value in params.items()}
             with self.journaling:
+                self.journaled = self.journal.last_steps() if continues else {}
                 self.journal.append("start", experiment=self.cfg.experiment, run_name=self.cfg.run_name,
                                     params=params, datasets=datasets(), continues=continues,
                                     tags=mlflow.tracking.context.registry.resolve_tags(tags))
                 for point in self.early_points:
-                    self.journal.append("metrics", **point)
+                    self._append_point(point)
                 self.early_points = None
             if self.online:
                 self.started_at, self.sender = self.journal.path.stat().st_size, Sender(self.output_dir)
@@ -320,7 +332,15 @@ class Tracker:
             if self.early_points is not None:
                 self.early_points.append(point)
                 return
-        self.journal.append("metrics", **point)
+        self._append_point(point)
+
+    def _append_point(self, point):
+        # A job resumed after a kill -9 trains again the steps since its checkpoint, whose points the stopped
+        # job journaled: the run keeps one point a step.
+        values = {key: value for key, value in point["values"].items()
+                  if point["step"] > self.journaled.get(key, -1)}
+        if values:
+            self.journal.append("metrics", **{**point, "values": values})
 
     def log_artifact(self, path):
         self.journal.append("artifact", path=str(Path(path).resolve()))
@@ -364,7 +384,10 @@ class Tracker:
         """Node 0's CPU, memory, disk and network by MLflow's own monitors, into the journal until the end."""
         from mlflow.system_metrics.metrics import cpu_monitor, disk_monitor, network_monitor
         monitors = [cpu_monitor.CPUMonitor(), disk_monitor.DiskMonitor(), network_monitor.NetworkMonitor()]
-        interval_s, step = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10), 0
+        interval_s = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL") or 10)
+        # A resumed job's samples follow the stopped job's.
+        step = 1 + max((last for key, last in self.journaled.items() if key.startswith("system/")),
+                       default=-1)
         while not self.system_stopped.wait(interval_s):
             try:
                 values = {}

@@ -28,8 +28,8 @@ def start(cwd, args):
     first process takes every process of the job with it, as losing the pod would. Its console goes to
     cwd/console.log; returns the process and the log that rank 0 writes."""
     job = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", str(ROOT / "run.sh"), *args],
-                           cwd=cwd, env=job_env(WORKERS="2"), stdout=subprocess.DEVNULL,
-                           stderr=(cwd / "console.log").open("w"))
+                           cwd=cwd, env=job_env(WORKERS="2", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"),
+                           stdout=subprocess.DEVNULL, stderr=(cwd / "console.log").open("w"))
     return job, cwd / "out" / "logs" / "worker_0.log"
 
 
@@ -107,6 +107,9 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     # From the stopped job's last step to the first new step: at least the gap between the stop and the rerun.
     assert metrics["restart_total_s"] >= rerun_at - stopped_at >= 2
     assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]
-    if how == "sigterm":  # each interval's loss once, the stop's own included: the run's history has no gap
-        steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
-        assert steps == list(range(8, 2 * 256 + 1, 8)), steps
+    # Each interval's loss once: the stop's own included after a SIGTERM, and after a kill -9 not again for the
+    # steps trained twice. The system metrics' samples go on from the stopped job's.
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
+    assert steps == list(range(8, 2 * 256 + 1, 8)), steps
+    samples = sorted(m.step for m in client.get_metric_history(run_id, "system/node0/cpu_utilization_percentage"))
+    assert samples == list(range(len(samples))) and len(samples) > 2, samples

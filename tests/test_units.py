@@ -432,6 +432,34 @@ def test_a_journal_line_cut_short_is_dropped_before_the_next(tmp_path, caplog):
         "MLflow: the journal's last line was cut short (a job killed while writing it); its 37 bytes dropped"]
 
 
+def test_a_resumed_job_journals_no_point_a_stopped_one_journaled(tmp_path, monkeypatch):
+    """After a kill -9 the steps since the checkpoint are trained again: their points are in the journal once,
+    the new ones follow, and the system metrics' samples go on from the stopped job's. A new training's start
+    forgets the old one's."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.05")
+    journal = tracking.Journal(tmp_path / tracking.JOURNAL)
+    journal.append("start", continues=False)
+    journal.append("metrics", step=8, timestamp=0, values={"train_loss": 2.0, "system/node0/cpu": 50.0})
+    journal.append("metrics", step=16, timestamp=0, values={"train_loss": 1.5})
+    tracker = tracking.Tracker(settings.Config(output_dir=tmp_path, tracking="offline"), "node0")
+    tracker.start({}, {}, list, continues=True)
+    tracker.started()
+    for step in (8, 16, 24):
+        tracker.log_metrics({"train_loss": 1.0, "world_size": 2}, step=step)
+    deadline = time.monotonic() + 30
+    while "system/node0/cpu_utilization_percentage" not in journal.last_steps():
+        assert time.monotonic() < deadline, "no system metrics sampled"
+        time.sleep(0.05)
+    tracker.finish("FINISHED")
+    lines = [op for _, op in journal.read_from(0) if op["op"] == "metrics"]
+    points = [(op["step"], sorted(op["values"])) for op in lines[2:] if "train_loss" in op["values"] or
+              "world_size" in op["values"]]
+    assert points == [(8, ["world_size"]), (16, ["world_size"]), (24, ["train_loss", "world_size"])]
+    assert min(op["step"] for op in lines[2:] if "system/node0/cpu_utilization_percentage" in op["values"]) == 9
+    journal.append("start", continues=False)
+    assert journal.last_steps() == {}
+
+
 def test_a_journal_line_a_full_volume_refuses_leaves_nothing_of_it(tmp_path):
     with small_volume(tmp_path / "volume", "64k") as volume:
         journal = tracking.Journal(volume / tracking.JOURNAL)
