@@ -31,7 +31,8 @@ import psutil  # installed with mlflow
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from fmnist import common, fetch, tracking  # noqa: E402 (the job's package and the tests' servers, from this checkout)
+# The job's package and the tests' servers, from this checkout.
+from fmnist import common, fetch, tracking  # noqa: E402
 from servers import mlflow_server  # noqa: E402
 
 import serving  # noqa: E402 (beside this file)
@@ -49,17 +50,17 @@ def parse_args(argv=None):
     parser.add_argument("--scaling", action="store_true",
                         help="also run 1 worker at the same per-worker batch and report the speed-up")
     parser.add_argument("--cpu-isa", default=os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-                        help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or ALL "
-                             "for none; default: the job's own (AVX2 on x86-64)")
+                        help="oneDNN ISA cap for the jobs (ONEDNN_MAX_CPU_ISA), such as AVX2, AVX512_CORE or "
+                             "ALL for none; default: the job's own (AVX2 on x86-64)")
     parser.add_argument("--peer-python", default=str(ROOT / ".venv-peer" / "bin" / "python"),
-                        help="the Python of the PyTorch peer's venv (default: .venv-peer/bin/python, as make bench "
-                             "makes it); empty: the job alone")
+                        help="the Python of the PyTorch peer's venv (default: .venv-peer/bin/python, as make "
+                             "bench makes it); empty: the job alone")
     parser.add_argument("--pairs", type=int, default=1,
-                        help="untracked runs of the job, each followed by one of the peer; the ratio is taken "
-                             "pair by pair, so a drifting machine moves both alike (default: 1)")
+                        help="untracked runs of the job, each followed by one of the peer; the ratio is "
+                             "taken pair by pair, so a drifting machine moves both alike (default: 1)")
     parser.add_argument("--sync-lines", type=int, default=10_000,
-                        help="metric lines in a journal that `python -m fmnist.tracking sync` sends to the server "
-                             "(default: 10000; 0 skips)")
+                        help="metric lines in a journal that `python -m fmnist.tracking sync` sends to the "
+                             "server (default: 10000; 0 skips)")
     parser.add_argument("--serving-requests", type=int, default=300,
                         help="requests per serving cell (batch 1 and 64, 1 and 16 clients); 0 skips serving "
                              "(default: 300)")
@@ -84,7 +85,8 @@ def test_images(data_dir):
 def cpu_seconds(pid):
     """CPU time used so far by a process and its children (the server forks workers)."""
     process = psutil.Process(pid)
-    return sum(p.cpu_times().user + p.cpu_times().system for p in [process, *process.children(recursive=True)])
+    processes = [process, *process.children(recursive=True)]
+    return sum(p.cpu_times().user + p.cpu_times().system for p in processes)
 
 
 def wait_until_idle(pid, timeout=120):
@@ -128,11 +130,12 @@ def run_job(name, workdir, args, workers, batch_size, env_extra):
 def run_peer(name, workdir, args):
     """One run of the PyTorch DDP peer with torchrun; returns its JSON plus the launch-to-exit wall time."""
     out = workdir / f"{name}.json"
-    cmd = [str(args.peer_python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.workers}",
-           str(ROOT / "bench" / "peer_torch.py"), "--data-dir", str(args.data_dir.resolve()), "--epochs",
-           str(args.epochs), "--batch-size", str(args.batch_size), "--json", str(out)]
-    print(f"bench: {name}: PyTorch DDP, {args.workers} worker(s), batch {args.batch_size} each, {args.epochs} epochs",
-          flush=True)
+    cmd = [str(args.peer_python), "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={args.workers}", str(ROOT / "bench" / "peer_torch.py"),
+           "--data-dir", str(args.data_dir.resolve()), "--epochs", str(args.epochs),
+           "--batch-size", str(args.batch_size), "--json", str(out)]
+    print(f"bench: {name}: PyTorch DDP, {args.workers} worker(s), batch {args.batch_size} each, "
+          f"{args.epochs} epochs", flush=True)
     launched, started = time.time(), time.perf_counter()
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=False,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -144,12 +147,14 @@ def run_peer(name, workdir, args):
 
 
 def sync_s(workdir, url, lines):
-    """Seconds that `python -m fmnist.tracking sync` takes to send a journal of a run's start, `lines` metric
-    lines of two values (as the job writes them every log interval) and its end: the catch-up after an outage."""
+    """Seconds that `python -m fmnist.tracking sync` takes to send a journal of a run's start, `lines`
+    metric lines of two values (as the job writes them every log interval) and its end: the catch-up after an
+    outage."""
     out = workdir / "sync"
     out.mkdir()
     journal = tracking.Journal(out / tracking.JOURNAL)
-    journal.append("start", experiment="bench-sync", run_name="", params={}, datasets=[], tags={}, continues=False)
+    journal.append("start", experiment="bench-sync", run_name="", params={}, datasets=[], tags={},
+                   continues=False)
     for step in range(lines):
         journal.append("metrics", step=step, timestamp=int(time.time() * 1000),
                        values={"train_loss": 1 / (step + 1), "train_samples_per_s": 1000.0})
@@ -171,16 +176,17 @@ def table(runs):
              "CPU s/1k samples", "peak MB/worker", "test acc")]
     for run in runs:
         if "epoch_history" not in run:  # the peer
-            rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}", "-",
-                         f"{run['train_samples_per_s']:,.0f}",
+            rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
+                         "-", f"{run['train_samples_per_s']:,.0f}",
                          " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epochs"]), "-", "-", "-",
                          f"{run['test_accuracy']:.4f}"))
             continue
         per_epoch = " ".join(f"{e['train_samples_per_s']:,.0f}" for e in run["epoch_history"])
         rows.append((run["name"], f"{run['launch_wall_s']:.1f}", f"{run['launch_to_first_step_s']:.1f}",
                      f"{run['first_step_s']:.1f}", f"{run['train_samples_per_s']:,.0f}", per_epoch,
-                     f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}", f"{run['cpu_s_per_1000_samples']:.3f}",
-                     f"{max(run['peak_rss_mb_per_rank']):,.0f}", f"{run['test_accuracy']:.4f}"))
+                     f"{sum(e['eval_s'] for e in run['epoch_history']):.1f}",
+                     f"{run['cpu_s_per_1000_samples']:.3f}", f"{max(run['peak_rss_mb_per_rank']):,.0f}",
+                     f"{run['test_accuracy']:.4f}"))
     return aligned(rows)
 
 
@@ -197,8 +203,10 @@ def main(argv=None):
         pairs = []  # (the job untracked, its PyTorch peer), run in turn
         for i in range(args.pairs):
             suffix = f"-{i + 1}" if args.pairs > 1 else ""
-            ours = run_job(f"untracked{suffix}", workdir, args, args.workers, args.batch_size, {"TRACKING": "off"})
-            pairs.append((ours, run_peer(f"pytorch-ddp{suffix}", workdir, args) if args.peer_python else None))
+            ours = run_job(f"untracked{suffix}", workdir, args, args.workers, args.batch_size,
+                           {"TRACKING": "off"})
+            peer = run_peer(f"pytorch-ddp{suffix}", workdir, args) if args.peer_python else None
+            pairs.append((ours, peer))
         untracked = pairs[0][0]
         with mlflow_server(workdir) as (url, server):
             wait_until_idle(server.pid)
@@ -210,11 +218,13 @@ def main(argv=None):
             synced = sync_s(workdir, url, args.sync_lines) if args.sync_lines else None
             served = []
             if args.serving_requests:
-                print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell", flush=True)
+                print(f"bench: serving: the tracked run's model, {args.serving_requests} requests per cell",
+                      flush=True)
                 served = serving.measure(f"runs:/{tracked['mlflow_run_id']}/model", workdir, url,
                                          test_images(args.data_dir), args.serving_requests)
         # The job's own MLflow store, made new by the job in its working directory.
-        local = run_job("tracked-local-store", workdir, args, args.workers, args.batch_size, {"TRACKING": "on"})
+        local = run_job("tracked-local-store", workdir, args, args.workers, args.batch_size,
+                        {"TRACKING": "on"})
         runs = [*(run for pair in pairs for run in pair if run), tracked, local]
         global_batch = args.workers * args.batch_size
         for workers in args.compare_workers:
@@ -225,7 +235,8 @@ def main(argv=None):
             runs.append(single)
     cpu = untracked["cpu"]
     print(f"\nhost: {cpu['model']}, {os.cpu_count()} cores, ISA flags {' '.join(cpu['flags']) or '-'}, "
-          f"oneDNN ISA cap {cpu['onednn_isa_cap'] or 'none'}, {cpu['threads_per_worker']} thread(s) per worker")
+          f"oneDNN ISA cap {cpu['onednn_isa_cap'] or 'none'}, {cpu['threads_per_worker']} thread(s) per "
+          "worker")
     overhead = (tracked["launch_wall_s"] - untracked["launch_wall_s"]) / untracked["launch_wall_s"]
     print()
     print(table(runs))
@@ -239,14 +250,15 @@ def main(argv=None):
     ratios = sorted(peer["train_samples_per_s"] / ours["train_samples_per_s"] for ours, peer in pairs if peer)
     if ratios:
         print(f"\nPyTorch DDP / this job, train samples/s: {' '.join(f'{r:.2f}' for r in ratios)} (median "
-              f"{ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per worker)")
+              f"{ratios[len(ratios) // 2]:.2f}; torch {pairs[0][1]['torch_version']}, gloo, 1 thread per "
+              "worker)")
     if synced is not None:
         print(f"\nsync: {args.sync_lines:,} metric lines of a journal sent in {synced:.1f} s")
     if served:
         print(f"\nthe served model (mlflow models serve, {args.serving_requests} requests per row):")
         print(aligned(serving.rows(served)))
-    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs, "serving": served,
-               "torch_over_ours": ratios, "sync_s": synced, "sync_lines": args.sync_lines}
+    results = {"epochs": args.epochs, "mlflow_overhead": overhead, "host": cpu, "runs": runs,
+               "serving": served, "torch_over_ours": ratios, "sync_s": synced, "sync_lines": args.sync_lines}
     if args.scaling:
         results["scaling"] = untracked["train_samples_per_s"] / single["train_samples_per_s"]
         print(f"scaling: {args.workers} workers train at {results['scaling']:.2f}x the samples/s of 1 worker "

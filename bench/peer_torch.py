@@ -4,8 +4,8 @@ job binds its workers. It runs in a venv of its own (make bench makes it), so th
 
     torchrun --standalone --nproc_per_node=2 bench/peer_torch.py --data-dir DIR --epochs 10 --json OUT
 
-Rank 0 writes JSON: the train samples/s of each epoch (the training loop alone, as the job's figure) and overall,
-the time to the first step, and the test accuracy.
+Rank 0 writes JSON: the train samples/s of each epoch (the training loop alone, as the job's figure) and
+overall, the time to the first step, and the test accuracy.
 """
 
 import argparse
@@ -33,8 +33,8 @@ class LeNet(nn.Module):
         super().__init__()
         self.features = nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2, 2),
                                       nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2, 2))
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(16 * 4 * 4, 120), nn.ReLU(), nn.Linear(120, 84),
-                                        nn.ReLU(), nn.Linear(84, num_classes))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(16 * 4 * 4, 120), nn.ReLU(),
+                                        nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_classes))
 
     def forward(self, x):
         return self.classifier(self.features(x))
@@ -43,7 +43,8 @@ class LeNet(nn.Module):
 def load(data_dir, split):
     images, labels = (fetch.parse_idx(fetch.local_copy(data_dir, f"{split}-{kind}").read_bytes(), kind)
                       for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
-    return torch.from_numpy(images[:, None].astype(np.float32) / 255), torch.from_numpy(labels.astype(np.int64))
+    images = torch.from_numpy(images[:, None].astype(np.float32) / 255)
+    return images, torch.from_numpy(labels.astype(np.int64))
 
 
 def main():

@@ -27,7 +27,8 @@ BATCH = 64
 
 def batches(count=8, seed=0):
     rng = np.random.default_rng(seed)
-    return [(rng.random((BATCH, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, BATCH)) for _ in range(count)]
+    return [(rng.random((BATCH, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, BATCH))
+            for _ in range(count)]
 
 
 def mindspore_step(steps, before_timing=None):
@@ -122,7 +123,8 @@ def torch_breakdown(steps):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
             step(i)
-    rows = sorted(((e.key, e.self_cpu_time_total / 1000 / steps) for e in prof.key_averages()), key=lambda r: -r[1])
+    rows = sorted(((e.key, e.self_cpu_time_total / 1000 / steps) for e in prof.key_averages()),
+                  key=lambda r: -r[1])
     return rows, step_s
 
 
@@ -138,8 +140,8 @@ def main():
         return
     if args.torch:
         rows, step_s = torch_breakdown(args.steps)
-        print(f"PyTorch {__import__('torch').__version__}, one thread, batch {BATCH}: {step_s * 1000:.2f} ms per step "
-              f"({BATCH / step_s:,.0f} samples/s)")
+        print(f"PyTorch {__import__('torch').__version__}, one thread, batch {BATCH}: "
+              f"{step_s * 1000:.2f} ms per step ({BATCH / step_s:,.0f} samples/s)")
         for name, ms in rows[:20]:
             print(f"  {ms:7.3f} ms  {name}")
         return
@@ -151,7 +153,8 @@ def main():
                                           env={**os.environ, "GLOG_v": "3"}, capture_output=True, text=True,
                                           check=True).stdout.splitlines()[-1])
     breakdown, verbose_s = onednn_breakdown(args.steps)
-    print(f"MindSpore, one thread, batch {BATCH}: {plain_s * 1000:.2f} ms per step ({BATCH / plain_s:,.0f} samples/s)")
+    print(f"MindSpore, one thread, batch {BATCH}: {plain_s * 1000:.2f} ms per step "
+          f"({BATCH / plain_s:,.0f} samples/s)")
     print("  by operator, MindSpore's profiler (its own timing inflates the kernels a little):")
     for name, ms in sorted(operators.items(), key=lambda item: -item[1]):
         print(f"  {ms:7.3f} ms  {name}")

@@ -41,7 +41,8 @@ def load(url, images, batch, clients, requests):
     elapsed = time.perf_counter() - started
     quantiles = statistics.quantiles(latencies, n=100)
     return {"batch": batch, "clients": clients, "requests": requests, "requests_per_s": requests / elapsed,
-            "images_per_s": requests * batch / elapsed, "p50_ms": quantiles[49] * 1000, "p99_ms": quantiles[98] * 1000}
+            "images_per_s": requests * batch / elapsed, "p50_ms": quantiles[49] * 1000,
+            "p99_ms": quantiles[98] * 1000}
 
 
 def measure(model_uri, workdir, tracking_uri, images, requests):

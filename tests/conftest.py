@@ -22,7 +22,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import free_port, mlflow_server, models_serve, reserved_port, wait_until_up  # noqa: E402,F401 (shared)
+# Shared with the test modules, which import them from here.
+from servers import free_port, mlflow_server, models_serve, reserved_port, wait_until_up  # noqa: E402,F401
 
 # The operators' CRDs, beside the checkout (not in a clone elsewhere): without them 9 checks are skipped.
 CRDS = ROOT / "tests" / "crds"  # the operators' CRDs, copied unchanged: SOURCES.md
@@ -63,14 +64,16 @@ def write_dataset(directory, seed=0, splits=None):
 
 # The modules whose tests take longest go first and the quick ones last, so that the quick ones fill the
 # pytest-xdist workers' ends instead of one worker finishing a long test alone (docs/testing.md).
-LONGEST_FIRST = ("test_world_size", "test_reliability", "test_own_network", "test_preemption", "test_tracking", "test_fault_tolerance",
-                 "test_job", "test_failures", "test_bad_input", "test_deploy", "test_data_fetch")
+LONGEST_FIRST = ("test_world_size", "test_reliability", "test_own_network", "test_preemption",
+                 "test_tracking", "test_fault_tolerance", "test_job", "test_failures", "test_bad_input",
+                 "test_deploy", "test_data_fetch")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(items):
-    """The tests reading one module-scoped job go to one pytest-xdist worker (`--dist loadgroup`, as make test
-    runs them): spread over two, each would run that job. Modules run in LONGEST_FIRST's order, others after."""
+    """The tests reading one module-scoped job go to one pytest-xdist worker (`--dist loadgroup`, as make
+    test runs them): spread over two, each would run that job. Modules run in LONGEST_FIRST's order, others
+    after."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
     for item in items:
@@ -149,8 +152,8 @@ def small_volume(path, size):
 
 
 def no_traceback(result, log_dir):
-    """Whether no traceback shows in run.sh's report or in any worker's log of `log_dir` (msrun's own traceback
-    goes to msrun.log, and its scheduler's to scheduler.log, when a worker fails)."""
+    """Whether no traceback shows in run.sh's report or in any worker's log of `log_dir` (msrun's own
+    traceback goes to msrun.log, and its scheduler's to scheduler.log, when a worker fails)."""
     texts = {"run.sh": result.stderr,
              **{p.name: p.read_text(errors="replace") for p in Path(log_dir).glob("worker_*.log")}}
     return not [name for name, text in texts.items() if "Traceback" in text]
@@ -170,7 +173,8 @@ def wait_for(path, pattern, process, timeout=240):
 
 def worker_pids(log_dir, workers=2):
     """The pid each worker logged at start ("rank N of M (pid P)"), by rank."""
-    return [int(re.search(rf"rank {rank} of \d+ \(pid (\d+)\)", (Path(log_dir) / f"worker_{rank}.log").read_text())
+    return [int(re.search(rf"rank {rank} of \d+ \(pid (\d+)\)",
+                          (Path(log_dir) / f"worker_{rank}.log").read_text())
                 .group(1)) for rank in range(workers)]
 
 
@@ -251,7 +255,8 @@ class MirrorHandler(http.server.BaseHTTPRequestHandler):
         elif behaviour == "html":
             body = b"<html><body><h1>Service unavailable</h1></body></html>"
         self.send_response(200)
-        self.send_header("Content-Length", str(len(self.server.files[name]) if behaviour == "cut" else len(body)))
+        self.send_header("Content-Length",
+                         str(len(self.server.files[name]) if behaviour == "cut" else len(body)))
         self.end_headers()
         # "cut" promises the whole file and closes the connection half-way, like a dropped link.
         self.wfile.write(body[: len(body) // 2] if behaviour == "cut" else body)
@@ -286,9 +291,10 @@ def serve(files):
 
 
 def rendered(manifest):
-    """The manifest's documents, as `kubectl apply` would send them (an overlay through kubectl's kustomize)."""
+    """The manifest's documents, as `kubectl apply` would send them (an overlay through kubectl's
+    kustomize)."""
     if manifest.endswith(".yaml"):
         return list(yaml.safe_load_all((ROOT / manifest).read_text()))
-    result = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", manifest], cwd=ROOT,
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", manifest],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
     return list(yaml.safe_load_all(result.stdout))

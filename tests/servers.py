@@ -36,10 +36,11 @@ def reserved_port():
 
 
 def wait_until_up(url, process, log_path, timeout=120, prefix=()):
-    """Poll `url` until it answers 200, from inside `prefix` (such as `ip netns exec NS`) when given; fail with
-    the end of the server's log if `process` ends or `timeout` passes first."""
+    """Poll `url` until it answers 200, from inside `prefix` (such as `ip netns exec NS`) when given; fail
+    with the end of the server's log if `process` ends or `timeout` passes first."""
     deadline = time.monotonic() + timeout
-    while subprocess.run([*prefix, sys.executable, "-c", PROBE, url], capture_output=True, check=False).returncode:
+    while subprocess.run([*prefix, sys.executable, "-c", PROBE, url], capture_output=True,
+                         check=False).returncode:
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not come up: {log_path.read_text(errors='replace')[-2000:]}")
         time.sleep(0.5)
@@ -48,18 +49,20 @@ def wait_until_up(url, process, log_path, timeout=120, prefix=()):
 @contextlib.contextmanager
 def mlflow_server(directory, host="127.0.0.1", port=None, prefix=(), app_name=None):
     """A real tracking server with its own SQLite store and proxied artifact store in `directory`, started
-    under `prefix` when given (and as MLflow's `--app-name` app, such as basic-auth); yields (url, process) and
-    stops it, with its workers, afterwards."""
+    under `prefix` when given (and as MLflow's `--app-name` app, such as basic-auth); yields (url, process)
+    and stops it, with its workers, afterwards."""
     port = port or free_port()
     url = f"http://{host}:{port}"
-    cmd = [*prefix, sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
-           "--artifacts-destination", str(directory / "artifacts"), *(["--app-name", app_name] if app_name else [])]
+    cmd = [*prefix, sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
+           "--workers", "1", "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
+           "--artifacts-destination", str(directory / "artifacts"),
+           *(["--app-name", app_name] if app_name else [])]
     log_path = directory / "server.log"
     with open(log_path, "wb") as log_file:
         # basic-auth's CSRF protection needs a fixed key. The server's job runner (seven huey consumers, for
         # MLflow's GenAI jobs; no tracking call uses them) would double what each server costs to start.
-        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory, start_new_session=True,
+        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=directory,
+                                  start_new_session=True,
                                   env={**os.environ, "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only",
                                        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         try:
@@ -77,8 +80,8 @@ def mlflow_server(directory, host="127.0.0.1", port=None, prefix=(), app_name=No
 
 @contextlib.contextmanager
 def models_serve(model_uri, directory, env):
-    """The real `mlflow models serve` of `model_uri` on 127.0.0.1, run in `directory` with `env` (MLflow starts
-    uvicorn from its PATH); yields (its /invocations URL, the process) and stops it afterwards."""
+    """The real `mlflow models serve` of `model_uri` on 127.0.0.1, run in `directory` with `env` (MLflow
+    starts uvicorn from its PATH); yields (its /invocations URL, the process) and stops it afterwards."""
     port = free_port()
     log_path = Path(directory) / "serve.log"
     with open(log_path, "wb") as log_file:

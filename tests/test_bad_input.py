@@ -15,20 +15,25 @@ pytestmark = pytest.mark.timeout(300)
 
 # (case, extra arguments, environment, the line that must say what is wrong, caught before msrun starts)
 BAD_INPUTS = [
-    ("timeout-not-a-number", [], {"DOWNLOAD_TIMEOUT": "soon"}, "argument --download-timeout: invalid float value",
+    ("timeout-not-a-number", [], {"DOWNLOAD_TIMEOUT": "soon"},
+     "argument --download-timeout: invalid float value",
      True),
     ("negative-learning-rate", ["--lr", "-1"], {}, "--lr must be positive, got -1.0 (flag or LR)", True),
     ("amp-level-from-the-environment", [], {"AMP": "O5"}, "--amp must be one of auto, O0, O1, O2, O3", True),
-    ("optimizer-from-the-environment", [], {"OPTIMIZER": "rmsprop"}, "--optimizer must be one of sgd, momentum, adam",
+    ("optimizer-from-the-environment", [], {"OPTIMIZER": "rmsprop"},
+     "--optimizer must be one of sgd, momentum, adam",
      True),
-    ("cpu-binding-from-the-environment", [], {"CPU_BIND": "yes"}, "--cpu-bind must be one of on, off, got 'yes'",
+    ("cpu-binding-from-the-environment", [], {"CPU_BIND": "yes"},
+     "--cpu-bind must be one of on, off, got 'yes'",
      True),
-    ("zero-threads-from-the-environment", [], {"THREADS": "-1"}, "--threads must be >= 0, got -1 (flag or THREADS)",
+    ("zero-threads-from-the-environment", [], {"THREADS": "-1"},
+     "--threads must be >= 0, got -1 (flag or THREADS)",
      True),
     ("registration-without-tracking", ["--register-model", "m", "--tracking", "off"], {},
      "--register-model needs tracking", True),
     ("batch-larger-than-the-training-set", ["--batch-size", "200"], {},
-     "--batch-size 200 with 2 worker(s) takes 400 training images a step, but the training set has 256", True),
+     "--batch-size 200 with 2 worker(s) takes 400 training images a step, but the training set has 256",
+     True),
     ("fewer-test-images-than-workers", ["--data-dir", "one-test-image", "--checksums-file",
                                         "one-test-image/CHECKSUMS"], {},
      "the test set has 1 images, fewer than the 2 workers that each evaluate a share of it", True),
@@ -36,10 +41,13 @@ BAD_INPUTS = [
      "--output-dir a-file/out: cannot use it (Not a directory)", True),
     ("data-dir-under-a-file", ["--data-dir", "a-file/data"], {},
      "--data-dir a-file/data: cannot use it (Not a directory)", True),
-    ("missing-checksums-file", ["--checksums-file", "nowhere"], {}, "--checksums-file nowhere: cannot read it", True),
+    ("missing-checksums-file", ["--checksums-file", "nowhere"], {},
+     "--checksums-file nowhere: cannot read it", True),
     ("dynamic-loss-scaling-on-cpu", ["--loss-scale", "dynamic"], {}, "no dynamic loss scaling on CPU", True),
-    ("corrupt-file-in-the-data-dir", ["--data-dir", "corrupt"], {}, "cannot obtain train-images-idx3-ubyte", False),
-    ("missing-model-to-predict", ["--predict", "missing.ckpt"], {}, "--predict missing.ckpt: no such file", True),
+    ("corrupt-file-in-the-data-dir", ["--data-dir", "corrupt"], {},
+     "cannot obtain train-images-idx3-ubyte", False),
+    ("missing-model-to-predict", ["--predict", "missing.ckpt"], {},
+     "--predict missing.ckpt: no such file", True),
 ]
 
 
@@ -81,6 +89,7 @@ def test_directories_with_spaces_and_accents_work(tiny_data, tmp_path):
     assert not list((tmp_path / "öut put").glob(".*part*"))  # no temporary file left behind
     predicted = subprocess.run([sys.executable, str(ROOT / "main.py"),
                                 *tiny_args(data_dir, "öut put"), "--predict", "öut put/model.mindir"],
-                               cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120, check=False)
+                               cwd=tmp_path, env=job_env(), capture_output=True, text=True,
+                               timeout=120, check=False)
     assert predicted.returncode == 0, predicted.stderr[-2000:]
     assert f"test accuracy {summary['test_accuracy']:.4f}" in predicted.stdout

@@ -30,7 +30,8 @@ def mirror(dataset):
 
 
 def fetch_all(data_dir, checksums, mirrors, timeout=5.0, system_dirs=(), say=lambda _: None):
-    return fetch.ensure_data(data_dir, checksums, fetch.Sources(tuple(mirrors), system_dirs, data.PACKAGE, timeout, say=say))
+    return fetch.ensure_data(data_dir, checksums,
+                             fetch.Sources(tuple(mirrors), system_dirs, data.PACKAGE, timeout, say=say))
 
 
 def data_files(data_dir):
@@ -185,7 +186,8 @@ def test_trickling_mirror_is_abandoned_for_the_next_one(tmp_path, dataset, mirro
     _, checksums, _ = dataset
     lines = []
     started = time.monotonic()
-    fetch_all(tmp_path, checksums, [f"{mirror.url}/trickle", f"{mirror.url}/good"], timeout=1.0, say=lines.append)
+    fetch_all(tmp_path, checksums, [f"{mirror.url}/trickle", f"{mirror.url}/good"],
+              timeout=1.0, say=lines.append)
     assert time.monotonic() - started < 20  # about 1 s per file on the trickle, where it would take hours
     assert_all_verified(tmp_path, checksums)
     assert mirror.total("trickle") == 4  # given up at once, not retried
@@ -200,8 +202,9 @@ def test_trickle_alone_fails_with_its_rate_named(tmp_path, dataset, mirror):
 
 
 def test_too_long_download_is_abandoned_for_the_next_mirror(tmp_path, dataset, mirror):
-    """A steady mirror, 16 KiB every 0.05 s, and a deadline of 0.1 s: the image files (over 48 KiB, so a fourth
-    chunk comes after 0.15 s) outlast it and come from the next mirror; the label files complete in time."""
+    """A steady mirror, 16 KiB every 0.05 s, and a deadline of 0.1 s: the image files (over 48 KiB, so a
+    fourth chunk comes after 0.15 s) outlast it and come from the next mirror; the label files complete in
+    time."""
     _, checksums, files = dataset
     assert min(len(files[f"{split}-images-idx3-ubyte.gz"]) for split in ("train", "t10k")) > 48 << 10
     mirrors = (f"{mirror.url}/steady", f"{mirror.url}/good")
@@ -215,7 +218,8 @@ def test_too_long_download_is_abandoned_for_the_next_mirror(tmp_path, dataset, m
 def test_deadline_ends_a_download_that_is_steady_but_too_long(mirror):
     mirror.files["big.gz"] = bytes(4 << 20)  # 4 MiB at 320 KiB/s: 13 s, over any minimum rate
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"not complete after \d+ s \(\d+ bytes\), over --download-deadline 1.5"):
+    with pytest.raises(ValueError,
+                       match=r"not complete after \d+ s \(\d+ bytes\), over --download-deadline 1.5"):
         fetch.download(f"{mirror.url}/steady/big.gz", fetch.Sources(timeout=5.0, deadline=1.5))
     assert time.monotonic() - started < 10  # 1.5 s and the next chunk, not the 13 s of the whole file
     assert mirror.total("steady") == 1

@@ -17,13 +17,15 @@ from conftest import ROOT, free_port, read_summary, rendered, run_sh, tiny_args
 pytestmark = pytest.mark.timeout(600)
 TOOLS = Path(sys.executable).parent  # shellcheck, hadolint, yamllint, kubernetes-validate come from PyPI
 MANIFESTS = ["k8s-job.yaml", "overlays/multinode", "overlays/ascend-310p"]
-# The operators' kinds are checked against their CRDs in test_operators.py; kubernetes-validate knows the rest.
-OPERATOR_MANIFESTS = ["k8s-ascendjob.yaml", "overlays/ascendjob-multinode", "k8s-volcano.yaml", "k8s-trainer.yaml"]
+# The operators' kinds are checked against their CRDs in test_operators.py; kubernetes-validate, the others'.
+OPERATOR_MANIFESTS = ["k8s-ascendjob.yaml", "overlays/ascendjob-multinode",
+                      "k8s-volcano.yaml", "k8s-trainer.yaml"]
 
 
 @functools.cache
 def applied(manifest):
-    """A file of the manifest as `kubectl apply` gets it: the file itself, or the overlay kustomize renders."""
+    """A file of the manifest as `kubectl apply` gets it: the file itself, or the overlay kustomize
+    renders."""
     if manifest.endswith(".yaml"):
         return manifest
     path = Path(tempfile.mkdtemp()) / f"{manifest.replace('/', '-')}.yaml"
@@ -40,8 +42,8 @@ def written(manifest):
 
 def checkov(manifest):
     """checkov from its own venv (its pins would move the job's), on one manifest file."""
-    return subprocess.run([str(ROOT / ".venv-checkov" / "bin" / "checkov"), "--skip-download", "--quiet", "--compact",
-                           "--framework", "kubernetes", "-f", manifest],
+    return subprocess.run([str(ROOT / ".venv-checkov" / "bin" / "checkov"), "--skip-download",
+                           "--quiet", "--compact", "--framework", "kubernetes", "-f", manifest],
                           cwd=ROOT, capture_output=True, text=True, check=False)
 
 
@@ -56,8 +58,12 @@ def test_run_sh_passes_shellcheck():
 
 
 def test_the_jobs_python_passes_ruff():
-    """ruff.toml's rules: lines of at most 110 characters and no function of more than 5 parameters among them."""
+    """ruff.toml's rules: lines of at most 110 characters and no function of more than 5 parameters among
+    them; the tests and the bench keep to the same lines, and to pycodestyle and pyflakes."""
     result = tool("ruff", "check", "--no-cache")
+    assert result.returncode == 0, result.stdout
+    result = tool("ruff", "check", "--no-cache", "--select", "E,F,W", "--config",
+                  'include = ["tests/*.py", "bench/*.py"]')
     assert result.returncode == 0, result.stdout
 
 
@@ -93,7 +99,8 @@ def test_manifest_passes_yamllint(manifest):
 def test_manifest_passes_checkov_with_justified_skips(manifest):
     result = checkov(applied(manifest))
     assert result.returncode == 0, result.stdout + result.stderr
-    skips = [value for doc in rendered(manifest) for key, value in doc["metadata"].get("annotations", {}).items()
+    annotations = [doc["metadata"].get("annotations", {}) for doc in rendered(manifest)]
+    skips = [value for each in annotations for key, value in each.items()
              if key.startswith("checkov.io/skip")]
     assert skips, "expected the documented skips"
     for skip in skips:  # CKV_K8S_n=reason: every skip says why
@@ -115,8 +122,9 @@ def test_the_multinode_overlay_is_the_job_indexed_over_two_servers():
     docs = {doc["kind"]: doc for doc in rendered("overlays/multinode")}
     job, config, service = docs["Job"], docs["ConfigMap"]["data"], docs["Service"]
     assert (job["spec"]["completionMode"], job["spec"]["completions"], config["NODES"]) == ("Indexed", 2, "2")
-    pod_0 = f"{job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}"
-    assert config["MASTER_ADDR"] == pod_0 and service["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"]
+    subdomain = job["spec"]["template"]["spec"]["subdomain"]
+    assert config["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{subdomain}"
+    assert service["metadata"]["name"] == subdomain
     assert service["spec"]["selector"]["job-name"] == job["metadata"]["name"]
     assert docs["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
     claim = job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
@@ -135,7 +143,8 @@ def test_dockerfile_builds_on_cann_for_910b_by_default_and_310p_on_request():
 def test_manifest_stops_retrying_bad_settings_and_divergence_and_allows_the_sigterm_stop(manifest):
     job = next(doc for doc in rendered(manifest) if doc["kind"] == "Job")
     fail_job = [rule for rule in job["spec"]["podFailurePolicy"]["rules"] if rule["action"] == "FailJob"]
-    assert fail_job[0]["onExitCodes"]["values"] == [common.EXIT_USAGE, common.EXIT_DIVERGED, common.EXIT_DISK_FULL]
+    assert fail_job[0]["onExitCodes"]["values"] == [common.EXIT_USAGE, common.EXIT_DIVERGED,
+                                                    common.EXIT_DISK_FULL]
     # run.sh stops the workers at their next log interval and waits at most 10 s for MLflow: within 30 s.
     assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
     assert tracking.STOP_TIMEOUT_S <= 10
@@ -143,13 +152,14 @@ def test_manifest_stops_retrying_bad_settings_and_divergence_and_allows_the_sigt
 
 def test_dockerignore_sends_only_what_the_image_copies():
     ignored = [line for line in (ROOT / ".dockerignore").read_text().split("\n") if line and line[0] != "#"]
-    copies = [line.split()[1:-1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    copies = [line.split()[1:-1] for line in (ROOT / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ")]
     assert ignored[0] == "*" and ignored[-1] == "**/__pycache__"
     sent = sorted(i.removeprefix("!") for i in ignored if i.startswith("!"))
     assert sent == sorted(source.rstrip("/") for sources in copies for source in sources)
 
 
-# Rank 0, about to write its results, has run.sh signalled with SIGTERM, as a pod deleted at that moment would be.
+# Rank 0, about to write its results, has run.sh signalled with SIGTERM, as a pod deleted then would be.
 SIGNAL_AT_THE_RESULTS = """
 import os, signal, sys, time
 if sys.argv[0].endswith("main.py"):
@@ -172,12 +182,14 @@ if sys.argv[0].endswith("main.py"):
 
 
 def test_run_sh_trains_one_worker_from_another_directory(tiny_data, tmp_path):
-    """Two workers from another directory: test_bad_input.py's run in directories with spaces and accents. Here a
-    SIGTERM comes as the results are written: the job finishes them, and run.sh says it is done, exit 0."""
+    """Two workers from another directory: test_bad_input.py's run in directories with spaces and accents.
+    Here a SIGTERM comes as the results are written: the job finishes them, and run.sh says it is done,
+    exit 0."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SIGNAL_AT_THE_RESULTS)
-    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS="1", PYTHONPATH=str(hook))
+    result = run_sh(tmp_path, tiny_args(tiny_data, "out", "--tracking", "off"), WORKERS="1",
+                    PYTHONPATH=str(hook))
     assert "run.sh: stopping the workers" in result.stderr, result.stderr[-3000:]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert read_summary(tmp_path / "out")["world_size"] == 1
@@ -204,7 +216,8 @@ def test_a_node_of_the_scheduler_alone_reads_no_data_and_reports_msruns_own_fail
     the scheduler ends in one line after CLUSTER_TIMEOUT, and run.sh exits with msrun's status."""
     env = {"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(free_port()), "MS_LOCAL_WORKER": "1",
            "MS_WORKER_NUM": "1", "MS_NODE_RANK": "0", "MS_ROLE": "MS_SCHED", "CLUSTER_TIMEOUT": "3"}
-    result = run_sh(tmp_path, ["--checksums-file", "/no/such/CHECKSUMS", "--data-dir", "/no/such/data"], **env)
+    result = run_sh(tmp_path,
+                    ["--checksums-file", "/no/such/CHECKSUMS", "--data-dir", "/no/such/data"], **env)
     assert result.returncode == 1, result.console[-3000:]
     assert "msrun's scheduler: the job ended early:" in result.console
     assert re.search(r"run.sh: all logs are in \S+/msrun-scheduler$", result.console.rstrip()), result.console
@@ -224,7 +237,8 @@ def test_run_sh_rejects_bad_launch_settings(tmp_path, env, message):
 def test_run_sh_maps_an_indexed_job_pod_onto_msrun(tmp_path):
     """What pod 1 of a two-node Indexed Job would launch (msrun starts its scheduler only where MASTER_ADDR
     is local, so two nodes cannot share this one machine)."""
-    env = {"NODES": "2", "WORKERS": "8", "MASTER_ADDR": "job-0.job", "JOB_COMPLETION_INDEX": "1", "DRY_RUN": "1"}
+    env = {"NODES": "2", "WORKERS": "8", "MASTER_ADDR": "job-0.job",
+           "JOB_COMPLETION_INDEX": "1", "DRY_RUN": "1"}
     result = run_sh(tmp_path, ["--epochs", "3"], timeout=30, **env)
     assert result.returncode == 0, result.stderr
     command = shlex.split(result.stdout)

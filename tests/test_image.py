@@ -37,8 +37,8 @@ JOB_UID = 1000  # the manifests' runAsUser and the image's USER
 # The Job's security context as `podman run` flags (the pod tests take it from the manifests themselves).
 AS_THE_JOB = ["--user=1000:1000", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
               "--tmpfs=/tmp", "--env=HOME=/tmp"]
-SMALL_RUN = {"EPOCHS": "2", "BATCH_SIZE": "16", "LOG_INTERVAL": "2", "CHECKSUMS_FILE": "/workspace/data/CHECKSUMS",
-             "DATA_MIRRORS": "", "TRACKING": "off"}
+SMALL_RUN = {"EPOCHS": "2", "BATCH_SIZE": "16", "LOG_INTERVAL": "2", "DATA_MIRRORS": "", "TRACKING": "off",
+             "CHECKSUMS_FILE": "/workspace/data/CHECKSUMS"}
 GRACE_SECONDS = 30  # the manifests' terminationGracePeriodSeconds
 
 
@@ -52,7 +52,8 @@ def podman(*args, check=True, timeout=600):
 
 @pytest.fixture(scope="session")
 def image(tmp_path_factory):
-    """The CPU image from the real Dockerfile on a Debian bookworm base made here (no registry is reachable)."""
+    """The CPU image from the real Dockerfile on a Debian bookworm base made here (no registry is
+    reachable)."""
     missing = [tool for tool in ("podman", "runc", "mmdebstrap") if not shutil.which(tool)]
     if missing or os.geteuid() != 0:
         why = f"{', '.join(missing) or 'root'} needed"
@@ -61,8 +62,8 @@ def image(tmp_path_factory):
         pytest.skip(f"{why}: run `sudo make test-image`, which installs podman, runc and mmdebstrap (Debian)")
     if podman("image", "exists", BASE, check=False).returncode != 0:
         tarball = tmp_path_factory.mktemp("base") / "bookworm.tar"
-        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3,python3-venv", "bookworm",
-                        str(tarball)], check=True, timeout=600)
+        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase",
+                        "--include=python3,python3-venv", "bookworm", str(tarball)], check=True, timeout=600)
         podman("import", str(tarball), BASE)
     started = time.monotonic()
     podman("build", "--build-arg", f"BASE_IMAGE={BASE}", "--build-arg", "GIT_COMMIT=test",
@@ -115,7 +116,8 @@ def test_image_holds_the_job_and_nothing_of_the_build(image):
 def test_a_change_to_the_code_rebuilds_without_reinstalling_the_packages(image, tmp_path):
     """The build context with main.py changed and another commit: every step up to the code's is cached."""
     context = tmp_path / "context"
-    shutil.copytree(ROOT, context, ignore=shutil.ignore_patterns(".*", "tests", "bench", "outputs", "__pycache__"))
+    shutil.copytree(ROOT, context,
+                    ignore=shutil.ignore_patterns(".*", "tests", "bench", "outputs", "__pycache__"))
     shutil.copy(ROOT / ".dockerignore", context)
     with (context / "main.py").open("a") as source:
         source.write("# changed\n")
@@ -128,8 +130,8 @@ def test_a_change_to_the_code_rebuilds_without_reinstalling_the_packages(image, 
 
 
 def test_image_trains_two_workers_with_the_jobs_security_context(image, workspace):
-    result = podman("run", "--rm", *AS_THE_JOB, f"--volume={workspace}:/workspace", *env_flags(SMALL_RUN), image,
-                    check=False)
+    result = podman("run", "--rm", *AS_THE_JOB, f"--volume={workspace}:/workspace",
+                    *env_flags(SMALL_RUN), image, check=False)
     console = result.stdout + result.stderr
     assert result.returncode == 0, console[-3000:]
     summary = json.loads((workspace / "outputs" / "summary.json").read_text())
@@ -148,9 +150,11 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     try:
         worker0 = workspace / "outputs" / "logs" / "worker_0.log"
         deadline = time.monotonic() + 300
-        while not (worker0.exists() and re.search(r"epoch 2/6 \| step 16/", worker0.read_text(errors="replace"))):
+        while not (worker0.exists() and re.search(r"epoch 2/6 \| step 16/",
+                                                  worker0.read_text(errors="replace"))):
             assert time.monotonic() < deadline, podman("logs", name, check=False).stderr[-3000:]
-            assert podman("container", "inspect", "--format={{.State.Running}}", name).stdout.strip() == "true"
+            assert podman("container", "inspect", "--format={{.State.Running}}",
+                          name).stdout.strip() == "true"
             time.sleep(0.5)
         signalled = time.monotonic()
         podman("stop", f"--time={GRACE_SECONDS}", name, timeout=GRACE_SECONDS + 30)
@@ -163,8 +167,8 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
     # 143, not 137: the job ended on its own within the grace period, before podman's SIGKILL.
     assert status == 128 + signal.SIGTERM, logs[-3000:]
     assert "run the same command again to resume" in logs
-    # The ranks agree on a step after the signal: podman delivers it a second or more later, an epoch here at full
-    # speed, so any epoch's step or end.
+    # The ranks agree on a step after the signal: podman delivers it a second or more later, an epoch here at
+    # full speed, so any epoch's step or end.
     stopped_at = re.search(r"checkpoint \S+/(epoch-\d{4}(?:-step-\d{6})?\.ckpt) written", worker0.read_text())
     assert stopped_at, worker0.read_text()[-3000:]
     rerun = podman(*run, "--rm", image, check=False)
@@ -179,11 +183,12 @@ def test_podman_stop_ends_the_job_in_its_grace_period_and_the_next_start_resumes
 
 
 def as_pod(name, template, env=None, host_aliases=None, resources=None):
-    """The Pod a controller would create from a pod template, less what needs an Ascend server, with `env` (what
-    the controller injects) set in each container, `host_aliases` standing in for its Services' names, and
-    `resources` for a runtime that sets them per node."""
+    """The Pod a controller would create from a pod template, less what needs an Ascend server, with `env`
+    (what the controller injects) set in each container, `host_aliases` standing in for its Services'
+    names, and `resources` for a runtime that sets them per node."""
     spec = copy.deepcopy(template["spec"])
-    driver_files = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}  # the Ascend driver's
+    # The hostPath volumes are the Ascend driver's files.
+    driver_files = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}
     spec["volumes"] = [volume for volume in spec["volumes"] if volume["name"] not in driver_files]
     for container in spec["containers"]:
         container["image"], container["imagePullPolicy"] = IMAGE, "Never"
@@ -193,10 +198,12 @@ def as_pod(name, template, env=None, host_aliases=None, resources=None):
         container["resources"] = copy.deepcopy(resources or container.get("resources", {}))
         for part in ("requests", "limits"):
             wanted = container["resources"].get(part, {})
-            container["resources"][part] = {k: v for k, v in wanted.items() if not k.startswith("huawei.com/")}
+            container["resources"][part] = {key: value for key, value in wanted.items()
+                                            if not key.startswith("huawei.com/")}
         container["env"] = [e for e in container.get("env", []) if e["name"] not in (env or {})]
         container["env"] += [{"name": key, "value": value} for key, value in (env or {}).items()]
-        for mount in container["volumeMounts"]:  # podman names an emptyDir's volume after it alone: one per pod
+        # podman names an emptyDir's volume after it alone: one per pod
+        for mount in container["volumeMounts"]:
             if any("emptyDir" in v and v["name"] == mount["name"] for v in spec["volumes"]):
                 mount["name"] = f"{mount['name']}-{name}"
     for volume in spec["volumes"]:
@@ -212,7 +219,8 @@ def as_pod(name, template, env=None, host_aliases=None, resources=None):
 def pod_of(job, index=None):
     """The Pod a Job's controller would create, with the index an Indexed Job's controller adds."""
     name = job["metadata"]["name"] if index is None else f"{job['metadata']['name']}-{index}"
-    return as_pod(name, job["spec"]["template"], None if index is None else {"JOB_COMPLETION_INDEX": str(index)})
+    return as_pod(name, job["spec"]["template"],
+                  None if index is None else {"JOB_COMPLETION_INDEX": str(index)})
 
 
 @pytest.fixture
@@ -224,7 +232,8 @@ def volumes(workspace):
         for volume in pod["spec"]["volumes"]:
             claim = volume.get("persistentVolumeClaim", {}).get("claimName")
             if claim and claim not in created:
-                podman("volume", "create", "--opt=type=none", "--opt=o=bind", f"--opt=device={workspace}", claim)
+                podman("volume", "create", "--opt=type=none", "--opt=o=bind",
+                       f"--opt=device={workspace}", claim)
                 created.add(claim)
 
     yield bind
@@ -277,9 +286,9 @@ def test_the_jobs_own_pod_trains_as_kubernetes_would_run_it(image, manifest, wor
 
 
 def train_together(pods, tmp_path, volumes, workspace, config=None):
-    """The pods on one podman network, pod i at SUBNET.(10 + i), each with its own `podman kube play` (and the
-    ConfigMap they read), their volumes bound to the workspace; once all have ended, each must have exited 0 and
-    the two replicas of their world must be identical. Their logs."""
+    """The pods on one podman network, pod i at SUBNET.(10 + i), each with its own `podman kube play` (and
+    the ConfigMap they read), their volumes bound to the workspace; once all have ended, each must have
+    exited 0 and the two replicas of their world must be identical. Their logs."""
     network = f"fmnist-{os.getpid()}"
     podman("network", "create", f"--subnet={SUBNET}.0/24", network)
     containers = [f"{pod['metadata']['name']}-{pod['spec']['containers'][0]['name']}" for pod in pods]
@@ -290,7 +299,8 @@ def train_together(pods, tmp_path, volumes, workspace, config=None):
             documents = [config, pod] if config else [pod]
             played.append(play(documents, tmp_path, f"--network={network}", f"--ip={SUBNET}.{10 + index}"))
         statuses = [wait(container) for container in containers]
-        logs = [podman("logs", container).stdout + podman("logs", container).stderr for container in containers]
+        logs = [podman("logs", container) for container in containers]
+        logs = [log.stdout + log.stderr for log in logs]
     finally:
         for path in played:
             podman("kube", "down", str(path), check=False)
@@ -319,7 +329,8 @@ def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, t
     config["data"].update(SMALL_RUN, WORKERS="1")
     pods = [as_pod(f"{job['metadata']['name']}-{index}", job["spec"]["template"],
                    {"JOB_COMPLETION_INDEX": str(index)},
-                   [{"ip": f"{SUBNET}.10", "hostnames": [config["data"]["MASTER_ADDR"]]}]) for index in (0, 1)]
+                   [{"ip": f"{SUBNET}.10", "hostnames": [config["data"]["MASTER_ADDR"]]}])
+            for index in (0, 1)]
     train_together(pods, tmp_path, volumes, workspace, config)
     assert node_logs(workspace) == ["node0", "node1"]
 
@@ -330,10 +341,11 @@ def test_the_multinode_jobs_two_pods_train_together(image, workspace, volumes, t
 def test_the_ascendjobs_scheduler_and_worker_pods_train_together(image, workspace, volumes, tmp_path):
     """The single-server AscendJob's Scheduler and Worker pods, named as ascend-operator names them
     (<job>-<replica type>-<index>, pod.go), with the variables it gives the container named ascend
-    (component/ascend-operator/pkg/controllers/v1/env.go, setMindSporeEnv): the Scheduler's MS_SCHED_HOST is its
-    own pod IP; the Worker's is the Scheduler's Service, here the Scheduler pod's fixed address. MS_LOCAL_WORKER
-    is the NPUs the Worker requests (2), MS_WORKER_NUM that times the pods with NPUs (1), NPU_POD whether this
-    pod requests any. run.sh reads only these: the manifest sets no WORKERS, NODES or MASTER_ADDR."""
+    (component/ascend-operator/pkg/controllers/v1/env.go, setMindSporeEnv): the Scheduler's MS_SCHED_HOST
+    is its own pod IP; the Worker's is the Scheduler's Service, here the Scheduler pod's fixed address.
+    MS_LOCAL_WORKER is the NPUs the Worker requests (2), MS_WORKER_NUM that times the pods with NPUs (1),
+    NPU_POD whether this pod requests any. run.sh reads only these: the manifest sets no WORKERS, NODES or
+    MASTER_ADDR."""
     docs = rendered("k8s-ascendjob.yaml")
     job, config = (next(doc for doc in docs if doc["kind"] == kind) for kind in ("AscendJob", "ConfigMap"))
     del config["data"]["MLFLOW_TRACKING_URI"]  # the cluster's server; tracking is tested in test_tracking.py
@@ -349,27 +361,29 @@ def test_the_ascendjobs_scheduler_and_worker_pods_train_together(image, workspac
         own = {item["name"] for item in pod["spec"]["containers"][0]["env"]}
         assert not {"WORKERS", "NODES", "NODE_RANK", "MASTER_ADDR"} & own
     logs = train_together(pods, tmp_path, volumes, workspace, config)
-    assert "node 0 of 1, 0 worker(s), scheduler" in logs[0] and "node 0 of 1, 2 worker(s), scheduler" in logs[1]
+    assert "node 0 of 1, 0 worker(s), scheduler" in logs[0]
+    assert "node 0 of 1, 2 worker(s), scheduler" in logs[1]
 
 
 def test_the_volcano_jobs_two_pods_train_together(image, workspace, volumes, tmp_path):
-    """The task's two pods with what Volcano gives them: the env plugin's VC_TASK_INDEX (and VK_TASK_INDEX), and
-    the svc plugin's names, pod 0's through hostAliases (volcano-sh/volcano, docs/user-guide/
-    how_to_use_svc_plugin.md and the env plugin). run.sh takes VC_TASK_INDEX for NODE_RANK."""
+    """The task's two pods with what Volcano gives them: the env plugin's VC_TASK_INDEX (and VK_TASK_INDEX),
+    and the svc plugin's names, pod 0's through hostAliases (volcano-sh/volcano,
+    docs/user-guide/how_to_use_svc_plugin.md and the env plugin). run.sh takes VC_TASK_INDEX for NODE_RANK."""
     job = next(doc for doc in rendered("k8s-volcano.yaml") if doc["kind"] == "Job")
     name, task = job["metadata"]["name"], job["spec"]["tasks"][0]
     pods = [as_pod(f"{name}-{task['name']}-{index}", task["template"],
                    {"VC_TASK_INDEX": str(index), "VK_TASK_INDEX": str(index), "WORKERS": "1",
                     "MLFLOW_TRACKING_URI": "", **SMALL_RUN},
-                   [{"ip": f"{SUBNET}.10", "hostnames": [f"{name}-{task['name']}-0.{name}"]}]) for index in (0, 1)]
+                   [{"ip": f"{SUBNET}.10", "hostnames": [f"{name}-{task['name']}-0.{name}"]}])
+            for index in (0, 1)]
     train_together(pods, tmp_path, volumes, workspace)
     assert node_logs(workspace) == ["node0", "node1"]
 
 
 def test_the_trainjobs_two_nodes_train_together(image, workspace, volumes, tmp_path):
-    """The runtime's node job with the TrainJob's env and resourcesPerNode, as Trainer's PlainML policy and JobSet
-    build it (kubeflow/trainer, manifests/base/runtimes): an Indexed Job's pods, with JOB_COMPLETION_INDEX, and
-    pod 0's name, <trainjob>-node-0-0.<trainjob>, through hostAliases."""
+    """The runtime's node job with the TrainJob's env and resourcesPerNode, as Trainer's PlainML policy and
+    JobSet build it (kubeflow/trainer, manifests/base/runtimes): an Indexed Job's pods, with
+    JOB_COMPLETION_INDEX, and pod 0's name, <trainjob>-node-0-0.<trainjob>, through hostAliases."""
     docs = rendered("k8s-trainer.yaml")
     runtime, trainjob = (next(doc for doc in docs if doc["kind"] == kind)
                          for kind in ("ClusterTrainingRuntime", "TrainJob"))

@@ -19,7 +19,8 @@ def two_worker_run(tiny_data, tmp_path_factory):
     with serve(files) as mirror:
         args = tiny_args(cwd / "data", cwd / "out", "--checksums-file", str(tiny_data / "CHECKSUMS"),
                          "--data-mirrors", f"{mirror.url}/good", "--run-name", "e2e")
-        # oneDNN prints the instruction set it dispatches to: the proof that the job's default cap took effect.
+        # oneDNN prints the instruction set it dispatches to: the proof that the job's default cap took
+        # effect.
         result = run_msrun(cwd, args, env=job_env(ONEDNN_VERBOSE="profile_create"))
     return cwd, result, mirror
 
@@ -28,7 +29,8 @@ def test_data_is_downloaded_once_per_job_not_per_rank(two_worker_run):
     cwd, result, mirror = two_worker_run
     assert result.returncode == 0, result.logs
     assert sorted(mirror.requests.values()) == [1, 1, 1, 1]
-    assert sorted(p.name for p in (cwd / "data").glob("*-ubyte")) == sorted(name[:-3] for name in mirror.files)
+    fetched = sorted(p.name for p in (cwd / "data").glob("*-ubyte"))
+    assert fetched == sorted(name.removesuffix(".gz") for name in mirror.files)
 
 
 def test_msrun_job_exits_zero_with_identical_replicas(two_worker_run):
@@ -106,13 +108,16 @@ def test_workers_have_the_onednn_isa_cap_and_disjoint_cores(two_worker_run):
     assert cores[0] and cores[1] and not cores[0] & cores[1], cores
     summary = read_summary(cwd / "out")
     assert summary["cpu"]["onednn_isa_cap"] == "AVX2" and summary["cpu"]["model"]
-    assert (summary["amp_level"], summary["loss_scaling"], summary["features_dtype"]) == ("O0", "none", "Float32")
-    assert (summary["amp_logit_error"], summary["step_loss_scale"]) == (0.0, 1.0)  # float32 throughout, unscaled
+    assert (summary["amp_level"], summary["loss_scaling"], summary["features_dtype"]) == ("O0", "none",
+                                                                                           "Float32")
+    # Float32 throughout, unscaled.
+    assert (summary["amp_logit_error"], summary["step_loss_scale"]) == (0.0, 1.0)
 
 
 @pytest.fixture(scope="module")
 def o2_run(tiny_data, tmp_path_factory):
-    """The article's O2 on 2 workers with a fixed loss scale, under a user's own oneDNN cap: two checks, one job."""
+    """The article's O2 on 2 workers with a fixed loss scale, under a user's own oneDNN cap: two checks,
+    one job."""
     cwd = tmp_path_factory.mktemp("o2")
     args = tiny_args(tiny_data, cwd / "out", "--tracking", "off", "--amp", "O2", "--loss-scale", "1024",
                      "--epochs", "10")
@@ -133,7 +138,8 @@ def test_mixed_precision_o2_with_two_workers_computes_in_float16_and_learns(o2_r
     cwd, result = o2_run
     assert result.returncode == 0, result.logs
     summary = read_summary(cwd / "out")
-    assert (summary["amp_level"], summary["loss_scaling"], summary["step_loss_scale"]) == ("O2", "fixed:1024", 1024)
+    assert (summary["amp_level"], summary["loss_scaling"],
+            summary["step_loss_scale"]) == ("O2", "fixed:1024", 1024)
     assert summary["features_dtype"] == "Float16"  # the convolutions' output, measured on the trained network
     assert 0 < summary["amp_logit_error"] < 0.1  # float16 rounding, not a different network
     assert summary["replicas_identical"] is True and summary["world_size"] == 2

@@ -23,7 +23,8 @@ from mindspore import nn
 class MLP(nn.Cell):
     def __init__(self, num_classes=10):
         super().__init__()
-        self.layers = nn.SequentialCell(nn.Flatten(), nn.Dense(28 * 28, 64), nn.ReLU(), nn.Dense(64, num_classes))
+        self.layers = nn.SequentialCell(nn.Flatten(), nn.Dense(28 * 28, 64), nn.ReLU(),
+                                        nn.Dense(64, num_classes))
 
     def construct(self, x):
         return self.layers(x)
@@ -59,8 +60,8 @@ def run_copy(project, cwd, args, store):
     log_dir = cwd / "msrun-logs"
     cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", "--join=True", f"--master_port={free_port()}",
            f"--log_dir={log_dir}", "python", str(project / "main.py"), *args]
-    result = subprocess.run(cmd, cwd=cwd, env=job_env(MLFLOW_TRACKING_URI=store), capture_output=True, text=True,
-                            timeout=300, check=False)
+    result = subprocess.run(cmd, cwd=cwd, env=job_env(MLFLOW_TRACKING_URI=store), capture_output=True,
+                            text=True, timeout=300, check=False)
     assert result.returncode == 0, {p.name: p.read_text()[-2000:] for p in log_dir.glob("*.log")}
     return (log_dir / "worker_0.log").read_text()
 
@@ -78,7 +79,8 @@ def test_an_mlp_trains_resumes_is_tracked_predicts_and_serves(own_network, tiny_
     log = run_copy(own_network, tmp_path, tiny_args(tiny_data, out, "--epochs", "2"), store)
     assert "resuming from" in log and "1 of 2 epochs done" in log
     summary = read_summary(out)
-    assert (summary["resumed_from_epoch"], summary["world_size"], summary["replicas_identical"]) == (1, 2, True)
+    assert (summary["resumed_from_epoch"], summary["world_size"],
+            summary["replicas_identical"]) == (1, 2, True)
     run = MlflowClient(store).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
     assert [m.step for m in MlflowClient(store).get_metric_history(run.info.run_id, "val_accuracy")] == [1, 2]
@@ -91,9 +93,10 @@ def test_an_mlp_trains_resumes_is_tracked_predicts_and_serves(own_network, tiny_
 
     images = fetch.parse_idx(gzip.decompress((tiny_data / "t10k-images-idx3-ubyte.gz").read_bytes()))[:16]
     expected = subprocess.run([sys.executable, "-c", PREDICT, str(out / "model.ckpt")], cwd=own_network,
-                              input=json.dumps(images.tolist()), env=job_env(), capture_output=True, text=True,
-                              timeout=120, check=True)
-    with models_serve(f"runs:/{run.info.run_id}/model", tmp_path, job_env(MLFLOW_TRACKING_URI=store)) as (url, _):
+                              input=json.dumps(images.tolist()), env=job_env(),
+                              capture_output=True, text=True, timeout=120, check=True)
+    with models_serve(f"runs:/{run.info.run_id}/model", tmp_path,
+                      job_env(MLFLOW_TRACKING_URI=store)) as (url, _):
         request = urllib.request.Request(url, data=json.dumps({"inputs": images.tolist()}).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:

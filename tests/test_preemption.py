@@ -1,6 +1,6 @@
-"""Preemption without lost work, with real msrun and 2 CPU workers: step checkpoints, the
-checkpoint at a SIGTERM stop (run.sh as PID 1, as in a pod: every rank stops at one step, within the grace period,
-and the run is KILLED), a resume from the middle of an epoch that ends bit-identical to a training never
+"""Preemption without lost work, with real msrun and 2 CPU workers: step checkpoints, the checkpoint at a
+SIGTERM stop (run.sh as PID 1, as in a pod: every rank stops at one step, within the grace period, and the
+run is KILLED), a resume from the middle of an epoch that ends bit-identical to a training never
 interrupted, and each restart's cost in the same MLflow run."""
 
 import re
@@ -18,16 +18,17 @@ EVERY = 10  # --checkpoint-steps
 
 
 def job_args(data_dir, *extra):
-    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", "out", "--epochs", "2", "--batch-size", "16", "--log-interval", "8",
-            "--checkpoint-steps", str(EVERY), *extra]
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"),
+            "--data-mirrors", "", "--output-dir", "out", "--epochs", "2", "--batch-size", "16",
+            "--log-interval", "8", "--checkpoint-steps", str(EVERY), *extra]
 
 
 def start(cwd, args):
-    """run.sh with 2 workers, as the image starts the job, in a PID namespace of its own so that a kill -9 of its
-    first process takes every process of the job with it, as losing the pod would. Its console goes to
-    cwd/console.log; returns the process and the log that rank 0 writes."""
-    job = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", str(ROOT / "run.sh"), *args],
+    """run.sh with 2 workers, as the image starts the job, in a PID namespace of its own so that a kill -9
+    of its first process takes every process of the job with it, as losing the pod would. Its console goes
+    to cwd/console.log; returns the process and the log that rank 0 writes."""
+    job = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+                            str(ROOT / "run.sh"), *args],
                            cwd=cwd, env=job_env(WORKERS="2", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"),
                            stdout=subprocess.DEVNULL, stderr=(cwd / "console.log").open("w"))
     return job, cwd / "out" / "logs" / "worker_0.log"
@@ -42,7 +43,8 @@ def run(cwd, args):
 @pytest.fixture(scope="module")
 def uninterrupted(longer_data, tmp_path_factory):
     """The weights' fingerprint of the same training never interrupted."""
-    return run(tmp_path_factory.mktemp("whole"), job_args(longer_data, "--tracking", "off"))[0]["weights_sha256"]
+    return run(tmp_path_factory.mktemp("whole"),
+               job_args(longer_data, "--tracking", "off"))[0]["weights_sha256"]
 
 
 # One process stops by the same code as rank 0 (the StopRequest, then stop_early): the 2-worker runs cover it.
@@ -59,7 +61,8 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
         psutil.Process(job.pid).children()[0].send_signal(signal.SIGTERM)
     status = job.wait(timeout=120)
     stopped_at, stopped_after = time.time(), time.monotonic() - signalled  # after the stopped job's last step
-    psutil.wait_procs(processes, timeout=60)  # unshare can end before the job's processes: one could still write
+    # unshare can end before the job's processes, and one could still write.
+    psutil.wait_procs(processes, timeout=60)
     stopped_log = log.read_text()
     assert not (tmp_path / "out" / "summary.json").exists()
     last_step = int((tmp_path / "out" / "checkpoints" / "last-step").read_text().split()[0])
@@ -71,7 +74,8 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
         assert status == 143, stopped_log[-3000:]
         # The ranks agree at a log interval (8 steps), and rank 0 checkpoints that very step: nothing is lost.
         assert step_in_epoch % 8 == 0 and last_step == resumed_step, (checkpoints, last_step)
-        assert f"checkpoint out/checkpoints/{checkpoints[-1]} written, the next start resumes from it" in stopped_log
+        written = f"checkpoint out/checkpoints/{checkpoints[-1]} written, the next start resumes from it"
+        assert written in stopped_log
         assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
         # Rank 1 ended on its own at rank 0's step: as PID 1's exit the kernel would have killed it.
         stop = re.search(r"stopped by SIGTERM at step (\d+)", stopped_log).group(1)
@@ -93,13 +97,15 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     rerun_at = time.time()
     summary, resumed_log = run(tmp_path, args)
     assert summary["weights_sha256"] == uninterrupted
-    assert (summary["resumed_from_epoch"], summary["resumed_from_step"], summary["restarts"]) == (1, step_in_epoch, 1)
+    assert (summary["resumed_from_epoch"], summary["resumed_from_step"],
+            summary["restarts"]) == (1, step_in_epoch, 1)
     assert (f"resuming from out/checkpoints/{checkpoints[-1]}: 1 of 2 epochs and {step_in_epoch} steps done"
             in resumed_log)
     assert [e["epoch"] for e in summary["epoch_history"]] == [1, 2]
 
     run_id = summary["mlflow_run_id"]
-    assert run_id == stopped_run_id and client.get_run(run_id).info.status == "FINISHED"  # the same run, continued
+    # The same run, continued.
+    assert run_id == stopped_run_id and client.get_run(run_id).info.status == "FINISHED"
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 1 and metrics["restart_steps_lost"] == last_step - resumed_step
     cost = re.search(r"restart 1: (\d+) steps lost, ([\d.]+) s from the stop to this step", resumed_log)
@@ -107,9 +113,10 @@ def test_an_interrupted_training_resumes_mid_epoch_bit_identical_and_logs_the_co
     # From the stopped job's last step to the first new step: at least the gap between the stop and the rerun.
     assert metrics["restart_total_s"] >= rerun_at - stopped_at >= 2
     assert [m.step for m in client.get_metric_history(run_id, "restarts")] == [resumed_step + 1]
-    # Each interval's loss once: the stop's own included after a SIGTERM, and after a kill -9 not again for the
-    # steps trained twice. The system metrics' samples go on from the stopped job's.
+    # Each interval's loss once: the stop's own included after a SIGTERM, and after a kill -9 not again for
+    # the steps trained twice. The system metrics' samples go on from the stopped job's.
     steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
     assert steps == list(range(8, 2 * 256 + 1, 8)), steps
-    samples = sorted(m.step for m in client.get_metric_history(run_id, "system/node0/cpu_utilization_percentage"))
+    cpu = client.get_metric_history(run_id, "system/node0/cpu_utilization_percentage")
+    samples = sorted(m.step for m in cpu)
     assert samples == list(range(len(samples))) and len(samples) > 2, samples

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def job_args(data_dir, output_dir, *extra):
-    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"), "--data-mirrors", "",
-            "--output-dir", str(output_dir), "--batch-size", "16", "--log-interval", "8", *extra]
+    return ["--data-dir", str(data_dir), "--checksums-file", str(data_dir / "CHECKSUMS"),
+            "--data-mirrors", "", "--output-dir", str(output_dir), "--batch-size", "16",
+            "--log-interval", "8", *extra]
 
 
 def mlflow_run(cwd, run_id):
@@ -46,8 +47,10 @@ def test_resume_refuses_other_settings_but_not_another_world_size(tiny_data, tmp
     assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
 
 
-def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_those_that_do(tiny_data, tmp_path):
-    first = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--batch-size", "3"))
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_those_that_do(tiny_data,
+                                                                                            tmp_path):
+    first = run_main(tmp_path,
+                     tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--batch-size", "3"))
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = run_sh(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"),
                      WORKERS="2")
@@ -56,15 +59,19 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_naming_th
         log = (tmp_path / "out" / "logs" / f"worker_{rank}.log").read_text()
         errors = [line for line in log.splitlines() if "ERROR" in line]
         assert len(errors) == 1 and "Traceback" not in log, errors
-        assert "on 2 workers: its global batch of 3 does not divide among them; 1, 3 workers would" in errors[0]
+        refused = "on 2 workers: its global batch of 3 does not divide among them; 1, 3 workers would"
+        assert refused in errors[0]
     # msrun's scheduler ends without a traceback, and MindSpore's cluster messages stay in the logs.
-    assert "Traceback" not in resumed.console and "DISTRIBUTED" not in resumed.console, resumed.console[-3000:]
+    console = resumed.console
+    assert "Traceback" not in console and "DISTRIBUTED" not in console, console[-3000:]
     assert "Traceback" not in (tmp_path / "out" / "logs" / "scheduler.log").read_text()
     assert not (tmp_path / "out" / "checkpoints" / "epoch-0002.ckpt").exists()
-    # The settings free to change (more epochs, another log interval, tracking) resume: test_fault_tolerance.py.
+    # The settings free to change (more epochs, another log interval, tracking) resume in
+    # test_fault_tolerance.py.
 
 
-# Rank 1 (msrun's DEVICE_ID on one node) sees every checkpoint but the newest, as a node with a stale copy would.
+# Rank 1 (msrun's DEVICE_ID on one node) sees every checkpoint but the newest, as a node with a stale copy
+# would.
 STALE_CHECKPOINTS = """
 import os, sys
 if sys.argv[0].endswith("main.py") and os.environ.get("DEVICE_ID") == "1":
@@ -101,12 +108,14 @@ def test_checkpoint_of_an_older_job_version_is_refused(tiny_data, tmp_path):
     from mindspore import nn  # pylint: disable=import-outside-toplevel
     checkpoint_dir = tmp_path / "out" / "checkpoints"
     checkpoint_dir.mkdir(parents=True)
-    old_model = nn.SequentialCell(nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2), nn.Flatten(), nn.Dense(4704, 10))
+    old_model = nn.SequentialCell(nn.Conv2d(1, 6, 5, pad_mode="pad", padding=2),
+                                  nn.Flatten(), nn.Dense(4704, 10))
     ms.save_checkpoint(old_model, str(checkpoint_dir / "epoch-0001.ckpt"), crc_check=True,
                        append_dict={"meta": json.dumps({"epoch": 1, "history": [], "loss_points": []})})
     result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out", "--tracking", "off", "--epochs", "2"))
     assert result.returncode == common.EXIT_USAGE
-    assert f"checkpoint format: was 1 (written by job 1.0.0), now {checkpoints.CHECKPOINT_FORMAT}" in result.stderr
+    refused = f"checkpoint format: was 1 (written by job 1.0.0), now {checkpoints.CHECKPOINT_FORMAT}"
+    assert refused in result.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
@@ -122,11 +131,12 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         wait_for(logs / "worker_0.log", r"first step done", holder, timeout=180)
         workers = worker_pids(logs)
         pid = workers[0]
-        # What the refused starts must leave alone: the holder's logs (msrun's and the scheduler's too) and the
-        # lock's text naming it; each keeps its inode and its content so far (the holder keeps appending).
+        # What the refused starts must leave alone: the holder's logs (msrun's and the scheduler's too) and
+        # the lock's text naming it; each keeps its inode and its content so far (the holder keeps appending).
         kept = {path: (path.stat().st_ino, path.read_bytes())
                 for path in [*logs.glob("*.log"), tmp_path / "out" / ".lock"]}
-        assert {"worker_0.log", "worker_1.log", "scheduler.log", "msrun.log", ".lock"} <= {p.name for p in kept}
+        assert {"worker_0.log", "worker_1.log", "scheduler.log", "msrun.log",
+                ".lock"} <= {p.name for p in kept}
         started = time.monotonic()
         second = run_main(tmp_path, [*args, "--epochs", "1"], timeout=60)
         assert time.monotonic() - started < 30
@@ -147,7 +157,8 @@ def test_second_job_on_an_output_dir_is_refused_and_a_killed_holder_blocks_nothi
         holder.kill()
         holder.wait(timeout=60)
     # The lock is free: a job starts and finishes there (32 batches of 256 are enough to show it).
-    after_crash = run_main(tmp_path, [*args, "--epochs", "1", "--resume", "never", "--batch-size", "256"], timeout=300)
+    after_crash = run_main(tmp_path,
+                           [*args, "--epochs", "1", "--resume", "never", "--batch-size", "256"], timeout=300)
     assert after_crash.returncode == 0, after_crash.stderr[-3000:]
 
 
@@ -162,16 +173,17 @@ def as_a_shells_foreground_job():
         signal.signal(signum, signal.SIG_DFL)
 
 
-def test_sigint_under_a_shell_stops_every_rank_at_one_step_checkpoints_it_and_marks_the_run_killed(longer_data,
-                                                                                                     tmp_path):
-    """Ctrl-C in a terminal reaches run.sh alone (msrun runs in a session of its own): it ends with 130 within the
-    grace period, every rank stopped at the same step (run.sh passes SIGTERM on), and no worker outlives it.
-    SIGTERM to run.sh as PID 1, and the resume from the checkpoint written here, are tests/test_preemption.py's."""
-    # Six epochs: at full speed the three after the signal's point last seconds, longer than a loaded test may take
-    # to send it.
-    job = subprocess.Popen([str(ROOT / "run.sh"), *job_args(longer_data, "out", "--epochs", "6")], cwd=tmp_path,
-                           env=job_env(WORKERS="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           preexec_fn=as_a_shells_foreground_job)
+def test_sigint_under_a_shell_stops_every_rank_at_one_step_checkpoints_it_and_marks_the_run_killed(
+        longer_data, tmp_path):
+    """Ctrl-C in a terminal reaches run.sh alone (msrun runs in a session of its own): it ends with 130
+    within the grace period, every rank stopped at the same step (run.sh passes SIGTERM on), and no worker
+    outlives it. SIGTERM to run.sh as PID 1, and the resume from the checkpoint written here, are
+    tests/test_preemption.py's."""
+    # Six epochs: at full speed the three after the signal's point last seconds, longer than a loaded test may
+    # take to send it.
+    job = subprocess.Popen([str(ROOT / "run.sh"), *job_args(longer_data, "out", "--epochs", "6")],
+                           cwd=tmp_path, env=job_env(WORKERS="2"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, preexec_fn=as_a_shells_foreground_job)
     worker0 = tmp_path / "out" / "logs" / "worker_0.log"
     wait_for(worker0, r"epoch 2/6 \| step 16/", job, timeout=180)
     # The job's processes: both workers, and msrun's scheduler, which runs main.py too.
@@ -184,14 +196,15 @@ def test_sigint_under_a_shell_stops_every_rank_at_one_step_checkpoints_it_and_ma
     assert job.returncode == 130, stderr[-3000:]
     assert stopped_after < 30, stopped_after  # Kubernetes' default grace period
     log = worker0.read_text()
-    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint out/checkpoints/(epoch-0002-step-0*\d+\.ckpt) "
-                     r"written, the next start resumes from it", log)
+    stop = re.search(r"stopped by SIGTERM at step (\d+); checkpoint out/checkpoints/"
+                     r"(epoch-0002-step-0*\d+\.ckpt) written, the next start resumes from it", log)
     assert stop, log[-2000:]
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [
         "epoch-0001.ckpt", stop.group(2), "last-step"]
     assert not (tmp_path / "out" / "summary.json").exists()
     worker1 = (tmp_path / "out" / "logs" / "worker_1.log").read_text()
-    assert f"rank 1 stops with the others: stopped by SIGTERM at step {stop.group(1)}" in worker1, worker1[-2000:]
+    stopped = f"rank 1 stops with the others: stopped by SIGTERM at step {stop.group(1)}"
+    assert stopped in worker1, worker1[-2000:]
     assert not any(alive(pid) for pid in job_workers)  # no worker left behind: no kernel ended them here
     run_id = re.search(r"MLflow: run (\w+)", log).group(1)
     assert mlflow_run(tmp_path, run_id).info.status == "KILLED"
@@ -238,13 +251,14 @@ def in_namespace(namespace, code, *args):
 
 
 def start_node(namespace, node_rank, cwd, args, **environment):
-    """run.sh as one node of a 2-node job: in its own network namespace, and as PID 1 of its own PID namespace,
-    so that killing it kills everything the node runs, as losing the machine would."""
+    """run.sh as one node of a 2-node job: in its own network namespace, and as PID 1 of its own PID
+    namespace, so that killing it kills everything the node runs, as losing the machine would."""
     env = job_env(WORKERS="1", NODES="2", NODE_RANK=str(node_rank), MASTER_ADDR=NODE_ADDRESSES[0],
                   MASTER_PORT="8118", CLUSTER_TIMEOUT="120", **environment)
     command = ["ip", "netns", "exec", namespace, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
                str(ROOT / "run.sh"), *args]
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_data, tmp_path):
@@ -267,8 +281,8 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
     # Node 0 names the lost rank and exits as a killed worker would (docs/operations.md), with no traceback,
     # within MS_NODE_TIMEOUT (run.sh's 5 s) and the scheduler's check of it.
     assert nodes[0].returncode == 128 + signal.SIGKILL, console[-3000:]
-    assert ("run.sh: the job failed: rank 1 stopped answering for 5 s (frozen, stopped, or its node lost), and "
-            "msrun ended the job") in console, console[-3000:]
+    assert ("run.sh: the job failed: rank 1 stopped answering for 5 s (frozen, stopped, or its node lost), "
+            "and msrun ended the job") in console, console[-3000:]
     assert "another rank of the job is gone" in console and "Traceback" not in console, console[-3000:]
     assert failed_after < NODE_LOSS_S, failed_after
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("*.ckpt")) == ["epoch-0001.ckpt"]
@@ -286,7 +300,8 @@ def test_two_nodes_train_together_fail_together_and_resume(two_hosts, longer_dat
                                "mlflow.MlflowClient(sys.argv[1]).get_run(sys.argv[2]).data.metrics)))",
                                url, summary["mlflow_run_id"])
     assert "resuming from out/checkpoints/epoch-0001.ckpt: 1 of 2 epochs done" in worker0.read_text()
-    assert (summary["world_size"], summary["replicas_identical"], summary["resumed_from_epoch"]) == (2, True, 1)
+    assert (summary["world_size"], summary["replicas_identical"],
+            summary["resumed_from_epoch"]) == (2, True, 1)
     assert "Node 0 holds the results" in outputs[1]
     # Node 0's system metrics, named after it: rank 0 samples them.
     assert "system/node0/cpu_utilization_percentage" in metrics, metrics

@@ -117,11 +117,14 @@ def test_settings_come_from_flags_then_environment(monkeypatch):
 
 
 def test_every_setting_is_in_the_docs_table_and_the_help_with_its_variable():
-    rows = re.findall(r"^\| `(--[\w-]+)` \| `(\w+)` \|", (ROOT / "docs" / "settings.md").read_text(), flags=re.M)
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `(\w+)` \|",
+                      (ROOT / "docs" / "settings.md").read_text(), flags=re.M)
     assert sorted(rows) == sorted((settings.flag(f), settings.variable(f)) for f in settings.FIELDS)
-    helps = {action.option_strings[0]: action.help for action in settings.build_parser()._actions}  # noqa: SLF001
+    actions = settings.build_parser()._actions  # noqa: SLF001
+    helps = {action.option_strings[0]: action.help for action in actions}
     for f in settings.FIELDS:
-        assert helps[settings.flag(f)] == f"{f.metadata['help']} [{settings.variable(f)}; default: {f.default}]"
+        help_line = f"{f.metadata['help']} [{settings.variable(f)}; default: {f.default}]"
+        assert helps[settings.flag(f)] == help_line
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -189,10 +192,12 @@ def test_weights_fingerprint_changes_with_any_weight():
 
 
 def global_batches(inputs, world_size, epoch=0, skip=0, global_batch=12):
-    """Each step's global batch, as the ranks of `world_size` workers train it: their slices, in rank order."""
+    """Each step's global batch, as the ranks of `world_size` workers train it: their slices, in rank
+    order."""
     ranks = []
     for rank in range(world_size):
-        shard = main.Shard(inputs, global_batch, types.SimpleNamespace(rank=rank, world_size=world_size), seed=7)
+        shard = main.Shard(inputs, global_batch,
+                           types.SimpleNamespace(rank=rank, world_size=world_size), seed=7)
         shard.epoch, shard.skip = epoch, skip
         # A sample's image is its index, through the transforms: pixel index / 255.
         ranks.append([np.rint(images[:, 0, 0, 0] * 255).astype(int) for images, _ in shard])
@@ -275,7 +280,8 @@ def test_cpu_description_reads_model_and_isa_flags(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f amx_tile\n\n"
                        "processor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
-    assert distributed.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14", "flags": ["avx2", "avx512f", "amx_tile"]}
+    assert distributed.cpu_description(cpuinfo) == {"model": "AMD EPYC 9R14",
+                                                    "flags": ["avx2", "avx512f", "amx_tile"]}
 
 
 @pytest.mark.parametrize("requested, amp, device, expected", [
@@ -335,15 +341,16 @@ def tiny_training(output_dir, **changes):
 
 
 def test_dynamic_loss_scale_and_skipped_steps_are_logged(tmp_path):
-    """The outputs of MindSpore's TrainOneStepWithLossScaleCell, (loss, overflowed, scale), as the callback sees
-    them; the cell itself needs an Ascend device."""
+    """The outputs of MindSpore's TrainOneStepWithLossScaleCell, (loss, overflowed, scale), as the callback
+    sees them; the cell itself needs an Ascend device."""
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     training = tiny_training(tmp_path)
     training.on_train_epoch_begin(None)
     for overflowed, scale in ((True, 65536.0), (False, 32768.0), (True, 32768.0), (True, 16384.0)):
         outputs = (ms.Tensor(1.0, ms.float32), ms.Tensor(overflowed), ms.Tensor(scale, ms.float32))
         training.on_train_step_end(FakeRunContext(net_outputs=outputs))
-    intervals = [(step, m["skipped_steps"], m["loss_scale"]) for step, m in training.tracker.logged if "loss_scale" in m]
+    intervals = [(step, m["skipped_steps"], m["loss_scale"]) for step, m in training.tracker.logged
+                 if "loss_scale" in m]
     assert intervals == [(2, 1, 32768.0), (4, 3, 16384.0)]
     assert training.skipped_steps == 3
 
@@ -365,7 +372,8 @@ def test_a_non_finite_loss_stops_training_even_with_the_divergence_check_off(tmp
     ("DEVICE", "GPU", "--device must be one of auto, Ascend, CPU, got 'GPU' (flag or DEVICE)"),
 ])
 def test_choices_are_checked_for_values_from_the_environment(monkeypatch, variable, value, message):
-    """argparse checks choices only on the command line; the job checks a default taken from the environment."""
+    """argparse checks choices only on the command line; the job checks a default taken from the
+    environment."""
     monkeypatch.setenv(variable, value)
     with pytest.raises(common.UsageError) as error:
         settings.parse_config([])
@@ -376,8 +384,8 @@ def test_checkpoint_names_sort_as_the_training_went(tmp_path):
     Position = checkpoints.Position
     positions = [Position(1), Position(1, 16), Position(1, 200), Position(2), Position(2, 5)]
     paths = [tmp_path / p.file_name for p in positions]
-    names = ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt", "epoch-0002.ckpt",
-             "epoch-0003-step-000005.ckpt"]
+    names = ["epoch-0001.ckpt", "epoch-0002-step-000016.ckpt", "epoch-0002-step-000200.ckpt",
+             "epoch-0002.ckpt", "epoch-0003-step-000005.ckpt"]
     assert [path.name for path in paths] == names
     assert [Position.of_file(name) for name in names] == positions
     for path in reversed(paths):  # made in the reverse order, so that no time order helps
@@ -388,15 +396,16 @@ def test_checkpoint_names_sort_as_the_training_went(tmp_path):
 
 
 def test_newest_checkpoints_come_first_and_other_files_are_ignored(tmp_path):
-    for name in ("epoch-0001.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0002.ckpt", "epoch-0002-step-000300.ckpt",
-                 "last-step", ".epoch-0003.1a2b.part.ckpt", "epoch-x.ckpt"):
+    for name in ("epoch-0001.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0002.ckpt",
+                 "epoch-0002-step-000300.ckpt", "last-step", ".epoch-0003.1a2b.part.ckpt", "epoch-x.ckpt"):
         (tmp_path / name).write_bytes(b"")
     assert [p.name for p in checkpoints.newest_first(tmp_path)] == [
         "epoch-0002.ckpt", "epoch-0002-step-000300.ckpt", "epoch-0002-step-000010.ckpt", "epoch-0001.ckpt"]
 
 
 def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
-    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.State(290), restarts=2, global_batch=32)
+    resumed = checkpoints.Resumed(tmp_path / "epoch-0001.ckpt", checkpoints.State(290),
+                                  restarts=2, global_batch=32)
     (tmp_path / "checkpoints").mkdir()
     # As the stopped job left it: step 300, done at 990 s after the epoch.
     (tmp_path / "checkpoints" / "last-step").write_text(f"{300:12d} {990.0:20.6f}\n")
@@ -407,13 +416,18 @@ def test_restart_cost_is_the_steps_lost_and_the_time_since_the_stop(tmp_path):
     assert cost["restart_total_s"] == pytest.approx(time.time() - 990.0, abs=5)
 
 
+def fill(volume, chunk):
+    """Writes to `volume` until it is full, `chunk` bytes at a time."""
+    with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
+        while True:
+            filler.write(b"\0" * chunk)
+
+
 def test_step_record_on_a_full_volume_is_disk_full(tmp_path):
     """The record's first write takes a block: on a full volume that is the job's exit 4, not a traceback."""
     with small_volume(tmp_path / "volume", "64k") as volume:
         saver = checkpoints.Checkpoints(settings.Config(output_dir=volume), {}, None, 10)
-        with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
-            while True:
-                filler.write(b"\0" * 4096)
+        fill(volume, 4096)
         with pytest.raises(common.DiskFull, match=r"no space left on the device of .*/checkpoints/last-step"):
             saver.mark(1)
 
@@ -455,7 +469,8 @@ def test_a_resumed_job_journals_no_point_a_stopped_one_journaled(tmp_path, monke
     points = [(op["step"], sorted(op["values"])) for op in lines[2:] if "train_loss" in op["values"] or
               "world_size" in op["values"]]
     assert points == [(8, ["world_size"]), (16, ["world_size"]), (24, ["train_loss", "world_size"])]
-    assert min(op["step"] for op in lines[2:] if "system/node0/cpu_utilization_percentage" in op["values"]) == 9
+    cpu = [op["step"] for op in lines[2:] if "system/node0/cpu_utilization_percentage" in op["values"]]
+    assert min(cpu) == 9
     journal.append("start", continues=False)
     assert journal.last_steps() == {}
 
@@ -465,9 +480,7 @@ def test_a_journal_line_a_full_volume_refuses_leaves_nothing_of_it(tmp_path):
         journal = tracking.Journal(volume / tracking.JOURNAL)
         journal.append("metrics", step=1, timestamp=0, values={"train_loss": 1.0})
         before = journal.path.read_bytes()
-        with open(volume / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
-            while True:
-                filler.write(b"\0" * 1024)
+        fill(volume, 1024)
         # Larger than what a page of the tmpfs takes: some of it could be written, but none of it stays.
         with pytest.raises(common.DiskFull):
             journal.append("artifact", path="/x" * 10_000)
@@ -519,7 +532,8 @@ def test_a_local_store_being_made_or_locked_is_retried_like_a_dead_server():
     """SQLite's lock and a race in MLflow's migrations (two jobs making one mlflow.db) wait like an outage."""
     from alembic.util.exc import CommandError  # pylint: disable=import-outside-toplevel
     from mlflow.exceptions import MlflowException  # pylint: disable=import-outside-toplevel
-    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE  # pylint: disable=C0415
+    from mlflow.protos.databricks_pb2 import (  # pylint: disable=import-outside-toplevel
+        PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE)
     from sqlalchemy.exc import OperationalError  # pylint: disable=import-outside-toplevel
     assert tracking.transient(OperationalError("INSERT", {}, Exception("database is locked")))
     assert tracking.transient(CommandError("Online migration expected to match one row; 0 found"))

@@ -17,8 +17,8 @@ from fmnist import data
 from conftest import ROOT, job_env, read_summary, run_sh, wait_for
 
 pytestmark = pytest.mark.timeout(900)
-# Measured on an Intel Xeon (Sapphire Rapids), 2 cores: the losses of the first 60 steps differ by at most
-# 6e-8, the mean loss of the first 100 by 0.003, the test accuracy after 3 epochs by 0.0004 (docs/data-order.md).
+# Measured on an Intel Xeon (Sapphire Rapids), 2 cores (docs/data-order.md): the losses of the first 60 steps
+# differ by at most 6e-8, the mean loss of the first 100 by 0.003, the test accuracy after 3 epochs by 0.0004.
 SAME_STEPS, STEP_LOSS, FIRST_100_LOSS, ACCURACY = 60, 1e-5, 0.01, 0.003
 STOP = r"epoch 2/3 \| step 2\d\d/"  # inside epoch 2, where the job gets its SIGTERM
 LOCAL_COPIES = (*data.SYSTEM_DIRS, ROOT.parent / "shared" / "data" / "fashion-mnist")
@@ -38,7 +38,8 @@ def real_data(tmp_path_factory):
 
 
 def job_args(real_data, *extra):
-    return ["--data-dir", str(real_data), "--data-mirrors", "", "--epochs", "3", "--log-interval", "10", *extra]
+    return ["--data-dir", str(real_data), "--data-mirrors", "", "--epochs", "3", "--log-interval", "10",
+            *extra]
 
 
 def per_device(workers):
@@ -68,16 +69,16 @@ class Stopped:
 
 @pytest.fixture(scope="module")
 def stopped(real_data, tmp_path_factory):
-    """For 1 and 2 workers of global batch 128, a training stopped by SIGTERM inside epoch 2, and a copy of its
-    directory (checkpoints, logs, MLflow store), so that it is resumed twice: on each world size. The copy's
-    store keeps the original's artifact location, so both resumes log artifacts there; these tests read the
-    stores' metrics and the summaries."""
+    """For 1 and 2 workers of global batch 128, a training stopped by SIGTERM inside epoch 2, and a copy of
+    its directory (checkpoints, logs, MLflow store), so that it is resumed twice: on each world size. The
+    copy's store keeps the original's artifact location, so both resumes log artifacts there; these tests
+    read the stores' metrics and the summaries."""
     runs = {}
     for workers in (2, 1):
         directory = tmp_path_factory.mktemp(f"{workers}-workers")
-        job = subprocess.Popen([str(ROOT / "run.sh"), *job_args(real_data, *per_device(workers))], cwd=directory,
-                               env=job_env(WORKERS=str(workers)), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+        job = subprocess.Popen([str(ROOT / "run.sh"), *job_args(real_data, *per_device(workers))],
+                               cwd=directory, env=job_env(WORKERS=str(workers)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = directory / "outputs" / "logs" / "worker_0.log"
         wait_for(log, STOP, job, timeout=600)
         job.send_signal(signal.SIGTERM)
@@ -102,14 +103,16 @@ def straight(stopped, real_data):
 
 def test_one_and_two_workers_with_one_global_batch_train_the_same_model(straight):
     one, two = (read_summary(straight[workers] / "outputs") for workers in (1, 2))
-    assert [(summary["world_size"], summary["global_batch_size"]) for summary in (one, two)] == [(1, 128), (2, 128)]
+    shapes = [(summary["world_size"], summary["global_batch_size"]) for summary in (one, two)]
+    assert shapes == [(1, 128), (2, 128)]
     losses = {workers: first_100_losses(cwd) for workers, cwd in straight.items()}
     # Every 10 steps, the mean loss of those 10: float rounding alone at first, then amplified as the network
     # leaves the plateau of an untrained one (about step 75).
     same = np.abs(losses[1] - losses[2])[:SAME_STEPS // 10]
     assert same.max() <= STEP_LOSS, same
     assert abs(losses[1].mean() - losses[2].mean()) <= FIRST_100_LOSS
-    assert abs(one["test_accuracy"] - two["test_accuracy"]) <= ACCURACY, (one["test_accuracy"], two["test_accuracy"])
+    accuracies = one["test_accuracy"], two["test_accuracy"]
+    assert abs(accuracies[0] - accuracies[1]) <= ACCURACY, accuracies
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
@@ -123,11 +126,11 @@ def test_a_training_stopped_on_one_world_size_ends_on_another_in_the_same_run(st
     was, now = 128 // before, 128 // after
     plural = "s" if after > 1 else ""
     log = directory / "outputs" / "logs" / "worker_0.log"
-    assert (f"resuming a {before}-worker training on {after} worker{plural}: {was} -> {now} per device, global "
-            "batch 128 kept") in log.read_text()
+    assert (f"resuming a {before}-worker training on {after} worker{plural}: {was} -> {now} per device, "
+            "global batch 128 kept") in log.read_text()
     summary = read_summary(directory / "outputs")
     assert summary["epochs"] == 3 and summary["global_batch_size"] == 128 and summary["restarts"] == 1
-    # The second part starts at the very step the first was stopped at and checkpointed: none twice, none lost.
+    # The second part starts at the very step the first was stopped at and checkpointed: none twice or lost.
     assert summary["parts"] == [{"first_step": 0, "world_size": before, "batch_size": was},
                                 {"first_step": stopped_at, "world_size": after, "batch_size": now}]
     assert 468 < stopped_at < 2 * 468
