@@ -289,11 +289,12 @@ class Tracker:
         try:
             import mlflow
             params = {key: str(value) for key, value in params.items()}
+            entities, tags = datasets(), mlflow.tracking.context.registry.resolve_tags(tags)
+            # Made outside the lock, which the training thread takes to log: nothing appends before the start.
+            self.journaled = self.journal.last_steps() if continues else {}
             with self.journaling:
-                self.journaled = self.journal.last_steps() if continues else {}
                 self.journal.append("start", experiment=self.cfg.experiment, run_name=self.cfg.run_name,
-                                    params=params, datasets=datasets(), continues=continues,
-                                    tags=mlflow.tracking.context.registry.resolve_tags(tags))
+                                    params=params, datasets=entities, continues=continues, tags=tags)
                 for point in self.early_points:
                     self._append_point(point)
                 self.early_points = None
