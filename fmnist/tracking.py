@@ -271,7 +271,8 @@ class Tracker:
         self.starting, self.start_error, self.started_at = None, None, 0
         # Metric points logged before the start line is journaled wait here, to follow it in the journal.
         self.journaling, self.early_points = threading.Lock(), []
-        self.journaled = {}  # on a resume, each metric's newest step in the journal
+        # On a resume, each metric's newest step in the journal: points at or before it are not journaled again.
+        self.journaled = {}
 
     @property
     def run_id(self):
