@@ -271,7 +271,7 @@ class Tracker:
         self.starting, self.start_error, self.started_at = None, None, 0
         # Metric points logged before the start line is journaled wait here, to follow it in the journal.
         self.journaling, self.early_points = threading.Lock(), []
-        # On a resume, each metric's newest step in the journal: points at or before it are not journaled again.
+        # On a resume, each metric's newest step in the journal: no point at or before it is journaled again.
         self.journaled = {}
 
     @property
