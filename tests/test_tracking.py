@@ -29,18 +29,22 @@ REGISTERED = "fashion-mnist-lenet-test"
 
 
 @pytest.fixture(scope="module")
-def tracked_job(tiny_data, tmp_path_factory):
-    """A 2-worker job logging to a live server, with its SQLite database, and registering its model; yields
-    the server URL, the job's output dir and result. System metrics every second, so that a short job has
-    some."""
+def server(tmp_path_factory):
+    """The URL of one `mlflow server` for this module's tests that neither stop it nor refuse: each finds
+    its own runs by id or experiment, so one server's start (seconds of CPU) serves them all."""
+    with mlflow_server(tmp_path_factory.mktemp("server")) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tracked_job(server, tiny_data, tmp_path_factory):
+    """A 2-worker job logging to the server and registering its model; yields the server's URL, the job's
+    output dir and result. System metrics every second, so that a short job has some."""
     directory = tmp_path_factory.mktemp("tracked")
-    with mlflow_server(directory) as (url, _):
-        env = job_env(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME="tracked",
-                      MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
-        args = tiny_args(tiny_data, directory / "out", "--epochs", str(EPOCHS),
-                         "--register-model", REGISTERED)
-        result = run_msrun(directory, args, env=env)
-        yield url, directory, result
+    env = job_env(MLFLOW_TRACKING_URI=server, MLFLOW_EXPERIMENT_NAME="tracked",
+                  MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+    args = tiny_args(tiny_data, directory / "out", "--epochs", str(EPOCHS), "--register-model", REGISTERED)
+    return server, directory, run_msrun(directory, args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +322,7 @@ def sync(output_dir, url, timeout=300):
                           timeout=timeout, check=False)
 
 
-def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(tiny_data, tmp_path):
+def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(server, tiny_data, tmp_path):
     """The cluster's usual case: data from --data-dir, no server answering. The job trains, waits at most
     --tracking-wait for the server at its end, exits 0 and leaves the journal; `sync` sends it later."""
     port, out = reserved_port(), tmp_path / "out"
@@ -332,14 +336,13 @@ def test_a_server_down_from_the_start_leaves_the_journal_and_sync_sends_it_all(t
                      r"wait in \S+/mlflow-journal\.jsonl", result.stderr), result.stderr[-3000:]
     assert took < 120, took  # the start's wait (15 s) and the end's (5 s) bound what tracking costs
     assert read_summary(out)["mlflow_run_id"] is None
-    with mlflow_server(tmp_path, port=port) as (url, _):
-        sent = sync(out, url)
-        assert sent.returncode == 0, sent.stderr
-        assert "MLflow: the journal of" in sent.stdout
-        assert_complete(url, out, epochs=2, steps_per_epoch=16, interval=2)
-        again = sync(out, url)  # nothing left: nothing sent twice
-        assert again.returncode == 0
-        assert_complete(url, out, epochs=2, steps_per_epoch=16, interval=2)
+    sent = sync(out, server)
+    assert sent.returncode == 0, sent.stderr
+    assert "MLflow: the journal of" in sent.stdout
+    assert_complete(server, out, epochs=2, steps_per_epoch=16, interval=2)
+    again = sync(out, server)  # nothing left: nothing sent twice
+    assert again.returncode == 0
+    assert_complete(server, out, epochs=2, steps_per_epoch=16, interval=2)
 
 
 def test_a_server_lost_mid_run_costs_a_bounded_wait_and_sync_sends_the_rest_once_it_returns(longer_data,
@@ -393,7 +396,7 @@ def test_a_server_back_mid_run_gets_everything_from_the_jobs_own_sender(longer_d
         assert_complete(url, out, epochs=4, steps_per_epoch=256, interval=32)
 
 
-def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(tmp_path):
+def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(server, tmp_path):
     """A journal of 5,000 metric lines (10 requests of 1,000 points): `sync` is SIGKILLed once the first of
     them has gone, then run again; the run holds every point once."""
     out = tmp_path / "out"
@@ -406,29 +409,28 @@ def test_a_sync_killed_mid_way_loses_nothing_and_doubles_nothing(tmp_path):
         journal.append("metrics", step=step, timestamp=1_700_000_000_000 + step,
                        values={"train_loss": 1 / (step + 1), "train_samples_per_s": 1000.0})
     journal.append("end", status="FINISHED")
-    with mlflow_server(tmp_path) as (url, _):
-        syncing = subprocess.Popen([sys.executable, "-m", "fmnist.tracking", "sync", str(out)], cwd=ROOT,
-                                   env=job_env(MLFLOW_TRACKING_URI=url), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        position = out / tracking.POSITION
-        deadline = time.monotonic() + 120
-        # Once a request of metric points has gone: the position has moved past the start line.
-        while not (position.exists() and json.loads(position.read_text() or "{}").get("offset", 0) > started):
-            assert syncing.poll() is None and time.monotonic() < deadline, "sync ended before its metrics"
-            time.sleep(0.01)
-        syncing.send_signal(signal.SIGKILL)
-        syncing.wait(timeout=60)
-        sent_before = json.loads(position.read_text())["offset"]
-        assert 0 < sent_before < journal.path.stat().st_size  # killed mid-way
-        again = sync(out, url)
-        assert again.returncode == 0, again.stderr[-3000:]
-        from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-        client = MlflowClient(url)
-        run_id = sent_run_id(out)
-        for name in ("train_loss", "train_samples_per_s"):
-            steps = sorted(m.step for m in client.get_metric_history(run_id, name))
-            assert steps == list(range(5000)), (name, len(steps))
-        assert client.get_run(run_id).info.status == "FINISHED"
+    syncing = subprocess.Popen([sys.executable, "-m", "fmnist.tracking", "sync", str(out)], cwd=ROOT,
+                               env=job_env(MLFLOW_TRACKING_URI=server), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    position = out / tracking.POSITION
+    deadline = time.monotonic() + 120
+    # Once a request of metric points has gone: the position has moved past the start line.
+    while not (position.exists() and json.loads(position.read_text() or "{}").get("offset", 0) > started):
+        assert syncing.poll() is None and time.monotonic() < deadline, "sync ended before its metrics"
+        time.sleep(0.01)
+    syncing.send_signal(signal.SIGKILL)
+    syncing.wait(timeout=60)
+    sent_before = json.loads(position.read_text())["offset"]
+    assert 0 < sent_before < journal.path.stat().st_size  # killed mid-way
+    again = sync(out, server)
+    assert again.returncode == 0, again.stderr[-3000:]
+    from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    client = MlflowClient(server)
+    run_id = sent_run_id(out)
+    for name in ("train_loss", "train_samples_per_s"):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, name))
+        assert steps == list(range(5000)), (name, len(steps))
+    assert client.get_run(run_id).info.status == "FINISHED"
 
 
 def test_sync_exits_2_for_a_directory_without_a_journal_or_held_by_a_job(tmp_path):
@@ -513,7 +515,7 @@ def test_a_refused_run_is_bad_input_before_training(tiny_data, tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_a_line_the_store_does_not_take_waits_with_all_after_it_for_sync(tiny_data, tmp_path):
+def test_a_line_the_store_does_not_take_waits_with_all_after_it_for_sync(server, tiny_data, tmp_path):
     """An MLflow client that fails one line for no transient reason (injected through sitecustomize): nothing
     after it is skipped. The job trains on and ends 0 with one warning naming sync; sync, once the store takes
     the line, delivers the whole run, that line included."""
@@ -527,58 +529,57 @@ def test_a_line_the_store_does_not_take_waits_with_all_after_it_for_sync(tiny_da
         "        raise RuntimeError('injected into the sender')\n"
         "    return real(self, run_id, path, *args, **kwargs)\n"
         "c.MlflowClient.log_artifact = log_artifact\n")
-    with mlflow_server(tmp_path) as (url, _):
-        result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"),
-                          env=job_env(MLFLOW_TRACKING_URI=url, PYTHONPATH=str(hook)))
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines = [line for line in result.stderr.splitlines() if "injected" in line]
-        assert len(lines) == 1 and " WARNING " in lines[0] and "did not take its artifact line" in lines[0]
-        assert f"python -m fmnist.tracking sync {tmp_path / 'out'}" in lines[0]
-        assert "Traceback" not in result.stderr and " ERROR " not in result.stderr
-        run_id = sent_run_id(tmp_path / "out")
-        assert read_summary(tmp_path / "out")["test_accuracy"] > 0
-        from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
-        assert MlflowClient(url).get_run(run_id).info.status == "RUNNING"  # its end waits in the journal
-        refused = subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(tmp_path / "out")],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                                 env=job_env(MLFLOW_TRACKING_URI=url, PYTHONPATH=str(hook)))
-        assert refused.returncode == 1 and "did not take its artifact line at byte" in refused.stderr
-        synced = sync(tmp_path / "out", url)
-        assert synced.returncode == 0, synced.stderr
-        client, run = assert_complete(url, tmp_path / "out", epochs=1, steps_per_epoch=16, interval=2)
-        assert run.info.run_id == run_id
-        artifacts = {a.path for a in client.list_artifacts(run_id)}
-        assert {"samples.png", "summary.json", "confusion_matrix.png"} <= artifacts
-
-
-def test_offline_then_sync_is_the_run_a_tracked_job_makes(tracked_run, tiny_data, tmp_path):
-    """--tracking offline writes the journal only; `sync` then makes the same run: the same metric points,
-    artifacts, model and status as the tracked 2-worker job's."""
+    result = run_main(tmp_path, tiny_args(tiny_data, tmp_path / "out"),
+                      env=job_env(MLFLOW_TRACKING_URI=server, PYTHONPATH=str(hook)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "injected" in line]
+    assert len(lines) == 1 and " WARNING " in lines[0] and "did not take its artifact line" in lines[0]
+    assert f"python -m fmnist.tracking sync {tmp_path / 'out'}" in lines[0]
+    assert "Traceback" not in result.stderr and " ERROR " not in result.stderr
+    run_id = sent_run_id(tmp_path / "out")
+    assert read_summary(tmp_path / "out")["test_accuracy"] > 0
     from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+    assert MlflowClient(server).get_run(run_id).info.status == "RUNNING"  # its end waits in the journal
+    refused = subprocess.run([sys.executable, "-m", "fmnist.tracking", "sync", str(tmp_path / "out")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                             env=job_env(MLFLOW_TRACKING_URI=server, PYTHONPATH=str(hook)))
+    assert refused.returncode == 1 and "did not take its artifact line at byte" in refused.stderr
+    synced = sync(tmp_path / "out", server)
+    assert synced.returncode == 0, synced.stderr
+    client, run = assert_complete(server, tmp_path / "out", epochs=1, steps_per_epoch=16, interval=2)
+    assert run.info.run_id == run_id
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"samples.png", "summary.json", "confusion_matrix.png"} <= artifacts
+
+
+def test_offline_then_sync_is_the_run_a_tracked_job_makes(server, tracked_run, tiny_data, tmp_path):
+    """--tracking offline writes the journal only; `sync` then makes the same run: the same metric points,
+    artifacts, model and status as the tracked 2-worker job's, on the same server in an experiment of its
+    own."""
     client, tracked, _ = tracked_run
     out = tmp_path / "out"
     offline = run_msrun(tmp_path, tiny_args(tiny_data, out, "--epochs", str(EPOCHS), "--tracking", "offline",
                                             "--register-model", REGISTERED),
-                        env=job_env(MLFLOW_EXPERIMENT_NAME="tracked",
+                        env=job_env(MLFLOW_EXPERIMENT_NAME="offline",
                                     MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"))
     assert offline.returncode == 0, offline.logs
     assert "sync" in offline.logs["worker_0.log"] and not (tmp_path / "mlflow.db").exists()
-    with mlflow_server(tmp_path) as (url, _):
-        assert sync(out, url).returncode == 0
-        synced_client = MlflowClient(url)
-        run = synced_client.get_run(sent_run_id(out))
-        assert run.info.status == tracked.info.status == "FINISHED"
-        keys = {key for key in tracked.data.metrics if not key.startswith("system/")}
-        assert {key for key in run.data.metrics if not key.startswith("system/")} == keys
-        for key in keys:
-            assert ([m.step for m in synced_client.get_metric_history(run.info.run_id, key)]
-                    == [m.step for m in client.get_metric_history(tracked.info.run_id, key)]), key
-        assert any(key.startswith("system/node0/") for key in run.data.metrics)
-        assert ({a.path for a in synced_client.list_artifacts(run.info.run_id)}
-                == {a.path for a in client.list_artifacts(tracked.info.run_id)})
-        assert len(run.outputs.model_outputs) == 1
-        assert run.data.params == {**tracked.data.params, "tracking": "offline", "output_dir": str(out)}
-        assert synced_client.get_model_version(REGISTERED, "1").run_id == run.info.run_id
+    assert sync(out, server).returncode == 0
+    run = client.get_run(sent_run_id(out))
+    assert run.info.status == tracked.info.status == "FINISHED"
+    keys = {key for key in tracked.data.metrics if not key.startswith("system/")}
+    assert {key for key in run.data.metrics if not key.startswith("system/")} == keys
+    for key in keys:
+        assert ([m.step for m in client.get_metric_history(run.info.run_id, key)]
+                == [m.step for m in client.get_metric_history(tracked.info.run_id, key)]), key
+    assert any(key.startswith("system/node0/") for key in run.data.metrics)
+    assert ({a.path for a in client.list_artifacts(run.info.run_id)}
+            == {a.path for a in client.list_artifacts(tracked.info.run_id)})
+    assert len(run.outputs.model_outputs) == 1
+    assert run.data.params == {**tracked.data.params, "tracking": "offline", "output_dir": str(out),
+                               "experiment": "offline"}
+    # The tracked job's version is 1; the synced run registers the next.
+    assert client.get_model_version(REGISTERED, "2").run_id == run.info.run_id
 
 
 CONNECT = ("import sys; from fmnist import tracking; "
@@ -587,16 +588,11 @@ CONNECT = ("import sys; from fmnist import tracking; "
 
 def test_senders_making_one_new_local_store_at_once_take_turns(tmp_path):
     """A client makes a new local store as it is created, and two at once race in MLflow's migrations
-    unless they take turns. Two pairs, each pair on a store of its own, all at once: without the turns, one
-    pair alone failed 4 times in 4."""
-    senders, pairs = [], range(2)
-    for pair in pairs:
-        (tmp_path / str(pair)).mkdir()
-    for pair, side in itertools.product(pairs, range(2)):
-        env = job_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / str(pair) / 'mlflow.db'}")
-        senders.append(subprocess.Popen([sys.executable, "-c", CONNECT, str(tmp_path / f"{pair}-{side}")],
-                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True))
+    unless they take turns: without the turns, this pair failed 4 times in 4."""
+    env = job_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    senders = [subprocess.Popen([sys.executable, "-c", CONNECT, str(tmp_path / f"sender-{side}")], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for side in range(2)]
     outputs = [sender.communicate(timeout=120)[0] for sender in senders]
     assert [output.splitlines()[-1:] for output in outputs] == [["connected"]] * len(senders), outputs
 
